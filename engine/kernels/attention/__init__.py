@@ -1,0 +1,32 @@
+"""Causal grouped-query attention that appends to and reads from a per-slot KV cache."""
+
+import torch
+
+from engine.kernels import dispatch
+from engine.kernels.attention import reference
+from engine.kernels.layout import SeqLayout
+
+dispatch.register("attention", torch=reference.attention)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layout: SeqLayout,
+    scale: float,
+) -> torch.Tensor:
+    """Write each sequence's new keys/values into its slot, then attend causally over its whole cache.
+
+    Args:
+        q: [T, Hq, D] queries (rotary already applied).
+        k, v: [T, Hkv, D] new keys and values; query head h reads kv head h // (Hq // Hkv).
+        k_cache, v_cache: [S, Hkv, L, D] per-slot caches with room for every position.
+        layout: where each sequence's tokens, context length and slot are.
+        scale: softmax scale, usually D ** -0.5.
+    Returns:
+        [T, Hq, D] in q's dtype.
+    """
+    return dispatch.pick("attention", q)(q, k, v, k_cache, v_cache, layout, scale)

@@ -1,0 +1,43 @@
+"""The one place that picks an implementation for each kernel op.
+
+`ENCLAVE_KERNELS` forces a backend: `torch` (the plain references), `triton`, or `auto` (the default: Triton
+on CUDA tensors where an implementation exists, the torch reference everywhere else).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton")
+_IMPLEMENTATIONS: dict[str, dict[str, Callable]] = {}
+
+
+def register(op: str, **implementations: Callable) -> None:
+    """Record the implementations of `op`, keyed by backend name (`torch`, `triton`)."""
+    _IMPLEMENTATIONS.setdefault(op, {}).update(implementations)
+
+
+def backend() -> str:
+    """The backend asked for through `ENCLAVE_KERNELS`."""
+    choice = os.environ.get("ENCLAVE_KERNELS", "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"ENCLAVE_KERNELS must be one of {', '.join(BACKENDS)}, got {choice!r}")
+    return choice
+
+
+def pick(op: str, like: torch.Tensor) -> Callable:
+    """The implementation of `op` to run on tensors like `like`."""
+    table = _IMPLEMENTATIONS[op]
+    choice = backend()
+    if choice == "torch":
+        return table["torch"]
+    if choice == "triton":
+        if "triton" not in table:
+            raise ValueError(f"ENCLAVE_KERNELS=triton, but kernel op {op!r} has no Triton implementation yet")
+        return table["triton"]
+    if like.is_cuda and "triton" in table:
+        return table["triton"]
+    return table["torch"]

@@ -1,0 +1,33 @@
+"""Gated delta rule (the core of Gated DeltaNet linear attention) over a flat variable-length batch."""
+
+import torch
+
+from engine.kernels import dispatch
+from engine.kernels.gated_delta import reference
+from engine.kernels.layout import SeqLayout
+
+dispatch.register("gated_delta_rule", torch=reference.gated_delta_rule)
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    layout: SeqLayout,
+) -> torch.Tensor:
+    """Run the recurrence for each sequence from its slot's state (or zeros when it has no context).
+
+    Args:
+        q, k: [T, Hk, dk] raw queries and keys; l2-normalised (and q scaled by dk^-0.5) inside.
+        v: [T, Hv, dv] values; value head j uses key head j // (Hv // Hk).
+        g: [T, Hv] log decay (<= 0), fp32.
+        beta: [T, Hv] write strength in (0, 1).
+        state: [S, Hv, dk, dv] fp32 recurrent state per slot, updated in place.
+        layout: where each sequence's tokens and slot are.
+    Returns:
+        [T, Hv, dv] in v's dtype.
+    """
+    return dispatch.pick("gated_delta_rule", q)(q, k, v, g, beta, state, layout)

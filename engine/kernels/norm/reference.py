@@ -1,0 +1,23 @@
+"""Plain-torch RMSNorm variants of the Qwen3.5/Qwen3-Next family."""
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = True) -> torch.Tensor:
+    # fp32 accumulation; the product is taken in fp32 and cast once (the reference does (x * w).to(dtype)).
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.float()
+    if zero_centered:
+        w = 1.0 + w
+    return (xf * w).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Norm before gate, plain (not 1 + w) weight; the weight multiplies the normed value in the input dtype,
+    # as the reference does.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * xf.to(x.dtype)
+    return (out * F.silu(gate.float())).to(x.dtype)

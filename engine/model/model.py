@@ -1,0 +1,86 @@
+"""The Qwen3.5/3.6-MoE (and Qwen3-Next) causal language model as a plain nn.Module.
+
+Parameter names follow the checkpoints' (`model.layers.{i}...`, `lm_head`, `mtp.*`) where the layout allows,
+so the loader's mapping stays short; fused projections are noted where they are declared.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine import kernels
+from engine.cache import StateCache
+from engine.config import ModelConfig
+from engine.kernels import SeqLayout
+from engine.model.decoder import DecoderLayer
+from engine.model.mtp import MTPHead
+from engine.model.norm import RMSNorm
+from engine.model.rotary import rope_parameters
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, kind, config.is_moe_layer(i)) for i, kind in enumerate(config.layer_types)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Embeddings -> decoder layers -> final norm -> lm_head, with an optional MTP head."""
+
+    def __init__(self, config: ModelConfig, num_mtp_layers: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.model = TextModel(config)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.mtp = MTPHead(config, num_mtp_layers) if num_mtp_layers else None
+        inv_freq, self.rope_scale = rope_parameters(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers (after the module was built on the meta device)."""
+        inv_freq, self.rope_scale = rope_parameters(self.config)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels.rotary_cos_sin(positions, self.inv_freq, self.rope_scale)
+
+    def forward(self, input_ids: torch.Tensor, layout: SeqLayout, cache: StateCache) -> torch.Tensor:
+        """input_ids [T] (flat, per `layout`) -> [T, H] hidden states before the final norm."""
+        cos, sin = self.rotary(layout.positions(input_ids.device))
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache.layers[i], layout)
+        return x
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(hidden)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """[N, H] normed hidden states -> [N, V] fp32 logits."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(normed, weight).float()
+
+    def mtp_forward(
+        self,
+        next_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        layout: SeqLayout,
+        cache: StateCache,
+        step: int = 0,
+    ) -> torch.Tensor:
+        """Draft logits [T, V] for the token after `next_ids` [T], given main-model hidden states [T, H]."""
+        if self.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP head (no mtp.* tensors)")
+        cos, sin = self.rotary(layout.positions(next_ids.device))
+        kv = cache.mtp_layers[step % len(cache.mtp_layers)]
+        out = self.mtp(self.model.embed_tokens(next_ids), hidden, cos, sin, kv, layout, step)
+        return self.logits(out)

@@ -1,0 +1,75 @@
+"""Sampling parameters of one request, validated when built (the names follow vLLM and OpenAI)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engine.errors import RequestError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature 0 means greedy. top_k 0 or -1 and top_p 1 disable those filters. `seed` makes a sampled
+    request reproducible whatever else is in its batch. `stop` strings end generation and are cut from the
+    text; `stop_token_ids` (and the model's EOS ids unless `ignore_eos`) end it too. `logprobs` k returns the
+    k most likely tokens' log-probabilities, plus the chosen token's, at each generated position.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
+
+    def __post_init__(self) -> None:
+        self.max_tokens = _int("max_tokens", self.max_tokens, minimum=1)
+        self.temperature = _float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        self.top_p = _float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_k = _int("top_k", self.top_k, minimum=-1)
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed)
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in stop):
+            raise RequestError("stop must be a non-empty string or a list of non-empty strings")
+        self.stop_strings = tuple(stop)
+        ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = [_int("stop_token_ids entry", t, minimum=0) for t in ids]
+        if self.logprobs is not None:
+            self.logprobs = _int("logprobs", self.logprobs, minimum=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise RequestError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _int(name: str, value: object, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise RequestError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
