@@ -1,0 +1,70 @@
+"""Engine behaviour: batching invariance, chunked prefill, prompt validation, token-id-only checkpoints."""
+
+import pytest
+
+from engine import Engine, EngineError, RequestError, SamplingParams
+
+PROMPTS = [[1, 40, 41, 42, 43, 44], [1, 50, 51], [1, *list(range(100, 180))], [7]]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def test_batch_equals_one_at_a_time(demo_engine):
+    together = demo_engine.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, together, strict=True):
+        assert demo_engine.generate([prompt], GREEDY)[0].token_ids == out.token_ids
+
+
+def test_chunked_prefill_and_small_groups_equal_whole(demo_dir, demo_engine):
+    whole = [o.token_ids for o in demo_engine.generate(PROMPTS, GREEDY)]
+    small = Engine.from_pretrained(demo_dir, device="cpu", dtype="float32", prefill_chunk=7, max_num_seqs=2)
+    assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == whole
+
+
+def test_text_prompts_and_chat(demo_engine):
+    text = demo_engine.generate("Summarise the note.", SamplingParams(max_tokens=5, temperature=0))[0]
+    assert text.prompt == "Summarise the note." and text.prompt_token_ids == demo_engine.tokenizer.encode(
+        text.prompt
+    )
+    assert isinstance(text.text, str)
+    chat = demo_engine.chat(
+        [{"role": "user", "content": "hello"}], SamplingParams(max_tokens=5, temperature=0)
+    )[0]
+    assert chat.prompt.startswith("<|im_start|>user\nhello<|im_end|>")
+    params = [SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=3, ignore_eos=True)]
+    assert [len(o.token_ids) for o in demo_engine.generate(["a", "b"], params)] == [2, 3]
+
+
+@pytest.mark.parametrize(
+    ("prompts", "needle"),
+    [
+        ([[]], "prompt 0 is empty"),
+        ([[1, 2], [5, 10**6]], "prompt 1 has token id 1000000 outside the vocabulary"),
+        ([[1, -3]], "outside the vocabulary"),
+        ([3.5], "prompt 0 must be"),
+        ([[1] * 9000], "context is 8192"),
+    ],
+)
+def test_bad_prompts_are_rejected(demo_engine, prompts, needle):
+    with pytest.raises(RequestError) as info:
+        demo_engine.generate(prompts, GREEDY)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bad_engine_options(demo_dir):
+    with pytest.raises(EngineError, match="dtype"):
+        Engine.from_pretrained(demo_dir, device="cpu", dtype="int8")
+    with pytest.raises(RequestError, match="one per prompt"):
+        Engine.from_pretrained(demo_dir, device="cpu").generate([[1], [2]], [GREEDY])
+
+
+def test_checkpoint_without_tokenizer_takes_token_ids(demo_dir, tmp_path):
+    for f in ("config.json", "model.safetensors"):
+        (tmp_path / f).write_bytes((demo_dir / f).read_bytes())
+    engine = Engine.from_pretrained(tmp_path, device="cpu")
+    assert engine.tokenizer is None
+    out = engine.generate([[1, 2, 3]], GREEDY)[0]
+    assert out.text is None and len(out.token_ids) == 16
+    with pytest.raises(RequestError, match="tokenizer"):
+        engine.generate(["text needs a tokenizer"], GREEDY)
+    with pytest.raises(RequestError, match="tokenizer"):
+        engine.generate([[1, 2]], SamplingParams(stop=["x"]))

@@ -1,0 +1,106 @@
+"""The MTP head (`mtp.*`) is built from a checkpoint and computes what its tensors define.
+
+transformers drops `mtp.*`, so the oracle here is an independent re-computation: transformers' own decoder
+layer, norms and rotary, loaded with the same tensors, wired as the MTP head is specified:
+    logits = lm_head(norm(layer(fc(concat(norm_e(embed(t+1)), norm_h(h_t))))))
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import Engine
+from engine.cache import StateCache
+from engine.kernels import SeqLayout
+from tests.engine.factories import save_text_model, text_config, widen_
+
+
+def add_mtp(path, seed=0):
+    """Append a random MTP head to a saved checkpoint, in the release layout (per-expert tensors)."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
+
+    config = text_config()
+    full = config.layer_types.index("full_attention")
+    layer = Qwen3_5MoeDecoderLayer(config, full)
+    head = torch.nn.ModuleDict(
+        {
+            "layers": torch.nn.ModuleList([layer]),
+            "fc": torch.nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False),
+            "pre_fc_norm_embedding": Qwen3_5MoeRMSNorm(config.hidden_size),
+            "pre_fc_norm_hidden": Qwen3_5MoeRMSNorm(config.hidden_size),
+            "norm": Qwen3_5MoeRMSNorm(config.hidden_size),
+        }
+    )
+    widen_(head, seed)
+    tensors = load_file(str(path / "model.safetensors"))
+    inter = config.moe_intermediate_size
+    for name, value in head.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):
+            base = "mtp." + name.removesuffix("gate_up_proj")
+            for e in range(value.shape[0]):
+                tensors[f"{base}{e}.gate_proj.weight"] = value[e, :inter].clone()
+                tensors[f"{base}{e}.up_proj.weight"] = value[e, inter:].clone()
+        elif name.endswith("experts.down_proj"):
+            base = "mtp." + name.removesuffix("down_proj")
+            for e in range(value.shape[0]):
+                tensors[f"{base}{e}.down_proj.weight"] = value[e].clone()
+        else:
+            tensors["mtp." + name] = value.clone()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+    return config, head
+
+
+def reference_mtp(config, head, ref, next_ids, hidden):
+    """Re-compute the head with transformers modules: next_ids [T], hidden [T, H] -> logits [T, V]."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextRotaryEmbedding
+
+    t = next_ids.shape[0]
+    e = ref.model.embed_tokens(next_ids)[None]
+    x = torch.cat((head["pre_fc_norm_embedding"](e), head["pre_fc_norm_hidden"](hidden[None])), dim=-1)
+    x = head["fc"](x)
+    positions = torch.arange(t)[None]
+    cos_sin = Qwen3_5MoeTextRotaryEmbedding(config)(x, positions)
+    mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+    x = head["layers"][0](x, position_embeddings=cos_sin, attention_mask=mask, position_ids=positions)
+    return ref.lm_head(head["norm"](x))[0]
+
+
+@pytest.fixture
+def mtp_checkpoint(tmp_path):
+    ref = save_text_model(tmp_path, seed=2)
+    config, head = add_mtp(tmp_path, seed=9)
+    head.eval()
+    return tmp_path, ref, config, head
+
+
+@torch.no_grad()
+def test_mtp_head_matches_independent_recomputation(mtp_checkpoint):
+    path, ref, config, head = mtp_checkpoint
+    engine = Engine.from_pretrained(path, device="cpu", dtype="float32")
+    assert engine.has_mtp and len(engine.model.mtp.layers) == 1
+    g = torch.Generator().manual_seed(0)
+    t = 11
+    next_ids = torch.randint(0, config.vocab_size, (t + 1,), generator=g)
+    hidden = torch.randn(t + 1, config.hidden_size, generator=g)
+    expected = reference_mtp(config, head, ref, next_ids, hidden)  # [t+1, V]
+
+    cache = StateCache(engine.config, 1, 32, "cpu", torch.float32, num_mtp_layers=1)
+    # Prefill t positions, then one more position reading the cached keys and values.
+    got = engine.model.mtp_forward(next_ids[:t], hidden[:t], SeqLayout((t,), (0,), (0,)), cache)
+    step = engine.model.mtp_forward(next_ids[t:], hidden[t:], SeqLayout((1,), (t,), (0,)), cache)
+    torch.testing.assert_close(got, expected[:t], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(step, expected[t:], rtol=1e-4, atol=1e-4)
+    assert (got.argmax(-1) == expected[:t].argmax(-1)).all()
+
+
+def test_checkpoint_without_mtp_has_no_head(tmp_path):
+    save_text_model(tmp_path, seed=2)
+    engine = Engine.from_pretrained(tmp_path, device="cpu", dtype="float32")
+    assert not engine.has_mtp
+    with pytest.raises(RuntimeError, match="no MTP head"):
+        engine.model.mtp_forward(torch.tensor([1]), torch.zeros(1, 48), SeqLayout((1,), (0,), (0,)), None)
