@@ -64,7 +64,8 @@ def reference_mtp(config, head, ref, next_ids, hidden):
     x = torch.cat((head["pre_fc_norm_embedding"](e), head["pre_fc_norm_hidden"](hidden[None])), dim=-1)
     x = head["fc"](x)
     positions = torch.arange(t)[None]
-    cos_sin = Qwen3_5MoeTextRotaryEmbedding(config)(x, positions)
+    # [3, batch, T]: one stream per M-RoPE section, all equal for text (older releases need the 3-D form).
+    cos_sin = Qwen3_5MoeTextRotaryEmbedding(config)(x, positions[None].expand(3, 1, t))
     mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
     x = head["layers"][0](x, position_embeddings=cos_sin, attention_mask=mask, position_ids=positions)
     return ref.lm_head(head["norm"](x))[0]
