@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -81,12 +82,13 @@ def run(args: argparse.Namespace, model_dir: str) -> dict:
 
 
 def _commit() -> str:
+    # The device machine gets the working tree without .git: the caller passes ENCLAVE_COMMIT there.
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        found = git.stdout.strip() if git.returncode == 0 else ""
     except OSError:
-        return "unknown"
+        found = ""
+    return found or os.environ.get("ENCLAVE_COMMIT", "unknown")
 
 
 def main() -> int:
