@@ -97,9 +97,14 @@ class Engine:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
-        prompts = list(prompts)
+        return self._generate(list(prompts), sampling, add_special_tokens=True)
+
+    def _generate(self, prompts: list[Prompt], sampling, add_special_tokens: bool) -> list[RequestOutput]:
         params = self._params(sampling, len(prompts))
-        seqs = [self._sequence(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        seqs = [
+            self._sequence(i, p, sp, add_special_tokens)
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
         for start in range(0, len(seqs), self.max_num_seqs):
             self.runner.run(seqs[start : start + self.max_num_seqs])
         return [s.to_output() for s in seqs]
@@ -114,11 +119,10 @@ class Engine:
         """Generate replies to conversations (lists of {"role", "content"} messages) via the chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [
-            self.apply_chat_template(c, add_generation_prompt, **(chat_template_kwargs or {}))
-            for c in conversations
-        ]
-        return self.generate(prompts, sampling)
+        kwargs = chat_template_kwargs or {}
+        prompts = [self.apply_chat_template(c, add_generation_prompt, **kwargs) for c in conversations]
+        # The rendered template already holds its special tokens: encode it without adding more.
+        return self._generate(prompts, sampling, add_special_tokens=False)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs
@@ -135,11 +139,14 @@ class Engine:
             raise RequestError(f"need one SamplingParams or a list of {count}, one per prompt")
         return sampling
 
-    def _sequence(self, index: int, prompt: Prompt, params: SamplingParams) -> Sequence:
+    def _sequence(
+        self, index: int, prompt: Prompt, params: SamplingParams, add_special_tokens: bool
+    ) -> Sequence:
         text = None
         if isinstance(prompt, str):
             text = prompt
-            ids = self._require_tokenizer("text prompts").encode(prompt)
+            tokenizer = self._require_tokenizer("text prompts")
+            ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, list | tuple) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -22,7 +22,7 @@ class RequestOutput:
     finish_reason: str
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
+    prompt_token_count: int = field(init=False)
 
-    @property
-    def prompt_token_count(self) -> int:
-        return len(self.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.prompt_token_count = len(self.prompt_token_ids)

@@ -29,7 +29,7 @@ class StaticBatchRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> None:
         longest_prompt = max(len(s.prompt_ids) for s in seqs)
-        capacity = longest_prompt + min(max(s.params.max_tokens for s in seqs), 256)
+        capacity = longest_prompt + min(max(s.params.max_tokens or 256 for s in seqs), 256)
         cache = StateCache(self.model.config, len(seqs), capacity, self.device, self.dtype)
         self._prefill(seqs, cache)
         while running := [(slot, s) for slot, s in enumerate(seqs) if not s.finished]:

@@ -14,13 +14,14 @@ MAX_LOGPROBS = 20
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature 0 means greedy. top_k 0 or -1 and top_p 1 disable those filters. `seed` makes a sampled
-    request reproducible whatever else is in its batch. `stop` strings end generation and are cut from the
-    text; `stop_token_ids` (and the model's EOS ids unless `ignore_eos`) end it too. `logprobs` k returns the
-    k most likely tokens' log-probabilities, plus the chosen token's, at each generated position.
+    `max_tokens` None generates until a stop or the context limit. temperature 0 means greedy; top_k 0
+    or -1 and top_p 1 disable those filters. `seed` makes a sampled request reproducible whatever else is
+    in its batch. `stop` strings end generation and are cut from the text; `stop_token_ids` (and the
+    model's EOS ids unless `ignore_eos`) end it too. `logprobs` k returns the k most likely tokens'
+    log-probabilities (raw model distribution), plus the chosen token's, at each generated position.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -33,7 +34,8 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
-        self.max_tokens = _int("max_tokens", self.max_tokens, minimum=1)
+        if self.max_tokens is not None:  # None: until EOS, a stop, or the model's context limit
+            self.max_tokens = _int("max_tokens", self.max_tokens, minimum=1)
         self.temperature = _float("temperature", self.temperature)
         if self.temperature < 0:
             raise RequestError(f"temperature must be >= 0, got {self.temperature}")

@@ -55,7 +55,9 @@ class Sequence:
             self._finish("stop", token)
         elif self.params.stop_strings and self._hit_stop_string():
             pass
-        elif len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
+        elif self.num_tokens >= self.max_model_len or len(self.output_ids) >= (
+            self.params.max_tokens or self.max_model_len
+        ):
             self._finish("length", None)
 
     def _hit_stop_string(self) -> bool:

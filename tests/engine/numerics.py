@@ -47,5 +47,4 @@ def bf16_report(path, device: str, prompts: list[list[int]]) -> Bf16Report:
         ref_errs.append((b - a).norm(dim=-1) / a.norm(dim=-1))
         agree.append((o.argmax(-1) == a.argmax(-1)).float())
         ref_agree.append((b.argmax(-1) == a.argmax(-1)).float())
-    mean = lambda xs: torch.cat(xs).mean().item()  # noqa: E731
-    return Bf16Report(mean(errs), mean(ref_errs), mean(agree), mean(ref_agree))
+    return Bf16Report(*(torch.cat(xs).mean().item() for xs in (errs, ref_errs, agree, ref_agree)))

@@ -68,3 +68,34 @@ def test_checkpoint_without_tokenizer_takes_token_ids(demo_dir, tmp_path):
         engine.generate(["text needs a tokenizer"], GREEDY)
     with pytest.raises(RequestError, match="tokenizer"):
         engine.generate([[1, 2]], SamplingParams(stop=["x"]))
+
+
+def test_max_tokens_none_runs_to_the_context_limit(tmp_path):
+    from tests.engine.factories import save_text_model
+
+    save_text_model(tmp_path, seed=1, max_position_embeddings=40)
+    engine = Engine.from_pretrained(tmp_path, device="cpu")
+    out = engine.generate(
+        [list(range(1, 31))], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    )[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 10 and out.prompt_token_count == 30
+
+
+def test_chat_does_not_add_special_tokens_twice(demo_dir, tmp_path):
+    """With a tokenizer that prepends BOS, plain text gets it once and a rendered chat template none extra."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    for f in demo_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    tok = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    bos = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    engine = Engine.from_pretrained(tmp_path, device="cpu")
+    plain = engine.generate("hello", SamplingParams(max_tokens=1))[0]
+    assert plain.prompt_token_ids[0] == bos and plain.prompt_token_ids.count(bos) == 1
+    chat = engine.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=1))[0]
+    assert bos not in chat.prompt_token_ids

@@ -150,3 +150,16 @@ def test_path_that_does_not_exist(tmp_path):
     with pytest.raises(ConfigError) as info:
         Engine.from_pretrained(tmp_path / "nowhere", device="cpu")
     assert "nowhere" in one_line(info.value)
+
+
+def test_sharded_save_pretrained_checkpoint(tmp_path):
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from tests.engine.factories import text_config
+
+    model = Qwen3_5MoeForCausalLM(text_config()).eval()
+    model.save_pretrained(tmp_path / "one")
+    model.save_pretrained(tmp_path / "many", max_shard_size="100KB")
+    assert (tmp_path / "many" / "model.safetensors.index.json").exists()
+    assert len(list((tmp_path / "many").glob("*.safetensors"))) > 2
+    assert greedy(tmp_path / "many") == greedy(tmp_path / "one")
