@@ -18,50 +18,33 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 ROPE_TYPES = ("default", "linear", "yarn")
 
 # Defaults of the reference classes (transformers' Qwen3_5MoeTextConfig / Qwen3NextConfig).
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+}
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen3_5_moe_text": {
-        "vocab_size": 248320,
-        "hidden_size": 2048,
-        "num_hidden_layers": 40,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 2,
-        "head_dim": 256,
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512,
-        "num_experts_per_tok": 8,
-        "num_experts": 256,
-        "norm_topk_prob": True,
-        "intermediate_size": 0,
-        "decoder_sparse_step": 1,
-    },
-    "qwen3_next": {
+    "qwen3_5_moe_text": _COMMON_DEFAULTS
+    | {"vocab_size": 248320, "num_hidden_layers": 40, "num_experts": 256, "num_experts_per_tok": 8},
+    "qwen3_next": _COMMON_DEFAULTS
+    | {
         "vocab_size": 151936,
-        "hidden_size": 2048,
-        "intermediate_size": 5632,
         "num_hidden_layers": 48,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 2,
-        "head_dim": 256,
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "decoder_sparse_step": 1,
-        "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512,
-        "num_experts_per_tok": 10,
         "num_experts": 512,
-        "norm_topk_prob": True,
+        "num_experts_per_tok": 10,
+        "intermediate_size": 5632,
     },
 }
 
