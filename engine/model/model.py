@@ -22,7 +22,10 @@ from engine.model.rotary import rope_parameters
 class TextModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An explicit (uninitialised) weight skips nn.Embedding's normal_ init, which on the meta device
+        # imports torch._dynamo (seconds); the loader overwrites every parameter anyway.
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
             DecoderLayer(config, kind, config.is_moe_layer(i)) for i, kind in enumerate(config.layer_types)
         )

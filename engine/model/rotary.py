@@ -13,7 +13,9 @@ def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """(inv_freq [rotary_dim / 2] fp32, scale applied to cos and sin)."""
     rope = config.rope
     dim = rope.rotary_dim
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    # Always on the CPU: under a meta-device context, factory ops route through torch._refs, whose first
+    # use imports torch._dynamo (seconds).
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
     if rope.rope_type == "default":
         return inv_freq, 1.0
     if rope.rope_type == "linear":
@@ -47,6 +49,6 @@ def _yarn(config: ModelConfig, inv_freq: torch.Tensor) -> tuple[torch.Tensor, fl
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1: extrapolate (keep frequency), 0: interpolate (divide by factor)
     return inv_freq / factor * (1 - keep) + inv_freq * keep, attention
