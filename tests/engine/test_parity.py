@@ -37,6 +37,7 @@ CONFIGS = {
         shared_expert_intermediate_size=9,
         vocab_size=101,
     ),
+    "tied-embeddings": dict(kind="text", tie_word_embeddings=True),
     "explicit-layer-types-rope-theta": dict(
         kind="text",
         num_hidden_layers=3,
