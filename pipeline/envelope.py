@@ -1,0 +1,212 @@
+"""HPKE envelopes for documents and results, and signed job manifests.
+
+Documents are sealed to the service's X25519 key and results to the submitting client's. HPKE here has
+no associated data, so the context (format version, purpose, job id, document id) is bound through
+`info`: an envelope opens only for the exact job, document and purpose it was sealed for.
+A manifest lists a job's documents with their ciphertext hashes and is signed by the client, so the
+worker can check what it was asked to do before it opens anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from typing import Any
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hpke
+from cryptography.hazmat.primitives.asymmetric import x25519
+
+from pipeline.keys import Identity, PublicIdentity, verify_signature
+
+FORMAT_VERSION = "enclave/1"
+SUITE = hpke.Suite(hpke.KEM.X25519, hpke.KDF.HKDF_SHA256, hpke.AEAD.AES_256_GCM)
+MANIFEST_VERSION = 1
+_HEADER_LEN = struct.Struct(">I")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+class EnvelopeError(ValueError):
+    """An envelope or document payload cannot be sealed or opened; never carries content or keys."""
+
+
+class ManifestError(ValueError):
+    """A job manifest is malformed or its signature does not verify."""
+
+
+def sha256_hex(data: bytes) -> str:
+    """Lowercase hex SHA-256 of `data`."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def _info(purpose: str, job_id: str, document_id: str) -> bytes:
+    """HPKE info: version, purpose, job id, document id joined by NUL (ids may not contain NUL)."""
+    for name, value in (("job id", job_id), ("document id", document_id)):
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+        if "\x00" in value:
+            raise EnvelopeError(f"{name} must not contain a NUL character")
+    return "\x00".join((FORMAT_VERSION, purpose, job_id, document_id)).encode("utf-8")
+
+
+def _seal(purpose: str, plaintext: bytes, public_x25519: bytes, job_id: str, document_id: str) -> bytes:
+    info = _info(purpose, job_id, document_id)
+    try:
+        public_key = x25519.X25519PublicKey.from_public_bytes(public_x25519)
+    except ValueError:
+        raise EnvelopeError(f"cannot seal {purpose} {document_id}: public key must be 32 raw bytes") from None
+    return SUITE.encrypt(plaintext, public_key, info=info)
+
+
+def _open(purpose: str, sealed: bytes, identity: Identity, job_id: str, document_id: str) -> bytes:
+    info = _info(purpose, job_id, document_id)
+    try:
+        return SUITE.decrypt(sealed, identity.x25519_private, info=info)
+    except (InvalidTag, ValueError):
+        what = "document" if purpose == "document" else f"{purpose} of document"
+        raise EnvelopeError(f"cannot open {what} {document_id}: wrong key or corrupted ciphertext") from None
+
+
+def seal_document(plaintext: bytes, service_public_x25519: bytes, job_id: str, document_id: str) -> bytes:
+    """Encrypt a document payload to the service, bound to this job and document."""
+    return _seal("document", plaintext, service_public_x25519, job_id, document_id)
+
+
+def open_document(sealed: bytes, service_identity: Identity, job_id: str, document_id: str) -> bytes:
+    """Decrypt a sealed document with the service key; `EnvelopeError` on any mismatch or tampering."""
+    return _open("document", sealed, service_identity, job_id, document_id)
+
+
+def seal_result(plaintext: bytes, client_public_x25519: bytes, job_id: str, document_id: str) -> bytes:
+    """Encrypt a document's result to the submitting client, bound to this job and document."""
+    return _seal("result", plaintext, client_public_x25519, job_id, document_id)
+
+
+def open_result(sealed: bytes, client_identity: Identity, job_id: str, document_id: str) -> bytes:
+    """Decrypt a sealed result with the client key; `EnvelopeError` on any mismatch or tampering."""
+    return _open("result", sealed, client_identity, job_id, document_id)
+
+
+def seal_name(path: str, client_public_x25519: bytes, job_id: str, document_id: str) -> bytes:
+    """Encrypt a document's path to the submitting client, so it can name every document in its results
+    (also those the service never opened) while the service sees ids only."""
+    return _seal("name", path.encode("utf-8", "surrogateescape"), client_public_x25519, job_id, document_id)
+
+
+def open_name(sealed: bytes, client_identity: Identity, job_id: str, document_id: str) -> str:
+    """Decrypt a `seal_name` envelope with the client key."""
+    return _open("name", sealed, client_identity, job_id, document_id).decode("utf-8", "replace")
+
+
+def pack_document(path: str, data: bytes) -> bytes:
+    """Payload = 4-byte big-endian header length, UTF-8 JSON header {"path": ...}, raw bytes.
+
+    The path travels inside the envelope so file names stay encrypted too.
+    """
+    if not isinstance(path, str):
+        raise TypeError(f"path must be a str, got {type(path).__name__}")
+    try:
+        header = canonical_json({"path": path})
+    except UnicodeEncodeError:
+        raise EnvelopeError("document path is not valid Unicode (undecodable file name?)") from None
+    return _HEADER_LEN.pack(len(header)) + header + bytes(data)
+
+
+def unpack_document(payload: bytes) -> tuple[str, bytes]:
+    """Split a `pack_document` payload back into (path, data); `EnvelopeError` when malformed."""
+    if len(payload) < _HEADER_LEN.size:
+        raise EnvelopeError("malformed document payload: shorter than its header length")
+    (length,) = _HEADER_LEN.unpack_from(payload)
+    end = _HEADER_LEN.size + length
+    if end > len(payload):
+        raise EnvelopeError("malformed document payload: header runs past the end")
+    try:
+        header = json.loads(bytes(payload[_HEADER_LEN.size : end]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise EnvelopeError("malformed document payload: header is not UTF-8 JSON") from None
+    if not isinstance(header, dict) or not isinstance(header.get("path"), str):
+        raise EnvelopeError("malformed document payload: header has no string 'path'")
+    return header["path"], bytes(payload[end:])
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Deterministic UTF-8 JSON (sorted keys, no spaces) for signing and hashing; no NaN or infinity."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return text.encode("utf-8")
+
+
+def sign_manifest(manifest: dict[str, Any], client_identity: Identity) -> bytes:
+    """Ed25519 signature by the client over `canonical_json(manifest)`, after checking its fields."""
+    _check_manifest(manifest)
+    return client_identity.sign(_manifest_bytes(manifest))
+
+
+def verify_manifest(manifest_json: str, signature: bytes, client_public: PublicIdentity) -> dict[str, Any]:
+    """Parse a manifest, check the client's signature over its canonical form and its fields; return it."""
+    try:
+        manifest = json.loads(manifest_json, parse_constant=_reject_constant)
+    except (ValueError, TypeError):
+        raise ManifestError("manifest is not valid JSON") from None
+    if not isinstance(manifest, dict):
+        raise ManifestError("manifest must be a JSON object")
+    if not verify_signature(client_public, _manifest_bytes(manifest), signature):
+        raise ManifestError("manifest signature does not verify")
+    _check_manifest(manifest)
+    fingerprint = client_public.fingerprint
+    if manifest["client"] != fingerprint:
+        raise ManifestError(
+            f"manifest client {manifest['client']!r} does not match the verifying key {fingerprint}"
+        )
+    return manifest
+
+
+def _manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    try:
+        return canonical_json(manifest)
+    except ValueError as e:  # NaN/infinity, or a lone surrogate that is not UTF-8
+        raise ManifestError(f"manifest cannot be encoded as canonical JSON: {e}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in a manifest")
+
+
+_MANIFEST_FIELDS: dict[str, type] = {
+    "version": int,
+    "job_id": str,
+    "kind": str,
+    "params": dict,
+    "client": str,
+    "documents": list,
+    "created_at": str,
+}
+_TYPE_WORDS = {int: "an integer", str: "a string", dict: "an object", list: "a list"}
+
+
+def _check_manifest(manifest: Any) -> None:
+    """Raise `ManifestError` naming the first missing or mistyped field."""
+    if not isinstance(manifest, dict):
+        raise ManifestError("manifest must be a JSON object")
+    for name, kind in _MANIFEST_FIELDS.items():
+        if name not in manifest:
+            raise ManifestError(f"manifest is missing field '{name}'")
+        value = manifest[name]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ManifestError(f"manifest field '{name}' must be {_TYPE_WORDS[kind]}")
+    if manifest["version"] != MANIFEST_VERSION:
+        raise ManifestError(f"manifest version {manifest['version']} is not supported (expected 1)")
+    if not manifest["job_id"]:
+        raise ManifestError("manifest field 'job_id' must not be empty")
+    seen: set[str] = set()
+    for i, doc in enumerate(manifest["documents"]):
+        if not isinstance(doc, dict):
+            raise ManifestError(f"manifest document {i} must be an object")
+        if not isinstance(doc.get("id"), str) or not doc["id"]:
+            raise ManifestError(f"manifest document {i} needs a non-empty string 'id'")
+        if not isinstance(doc.get("sha256"), str) or not _SHA256_HEX.fullmatch(doc["sha256"]):
+            raise ManifestError(f"manifest document {i} needs 'sha256' as 64 lowercase hex characters")
+        if doc["id"] in seen:
+            raise ManifestError(f"manifest lists document id {doc['id']!r} twice")
+        seen.add(doc["id"])

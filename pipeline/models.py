@@ -1,0 +1,125 @@
+"""Database tables (SQLAlchemy 2 typed models). Rows hold ids, hashes, counts, timings and sealed bytes only:
+never document or result plaintext."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import ForeignKey, Index, Integer, LargeBinary, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)  # stored naive, always UTC
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+# Job status: queued -> running -> completed (every document done or failed) | cancelled | failed (the job
+# itself could not run, e.g. a forged manifest).
+JOB_STATUSES = ("queued", "running", "completed", "cancelled", "failed")
+# Document status: pending -> leased -> done | failed; cancelled when its job is.
+DOC_STATUSES = ("pending", "leased", "done", "failed", "cancelled")
+TERMINAL_DOC = ("done", "failed", "cancelled")
+
+
+class Client(Base):
+    """An allow-listed submitter: its public keys and their fingerprint."""
+
+    __tablename__ = "clients"
+
+    fingerprint: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    x25519_public: Mapped[bytes] = mapped_column(LargeBinary)  # results are sealed to this key
+    ed25519_public: Mapped[bytes] = mapped_column(LargeBinary)  # manifests are signed with its private half
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), default="")
+    kind: Mapped[str] = mapped_column(String(40))
+    client_fingerprint: Mapped[str] = mapped_column(ForeignKey("clients.fingerprint"))
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    manifest: Mapped[str] = mapped_column(Text)  # canonical JSON: kind, params, document ids and hashes
+    signature: Mapped[bytes] = mapped_column(LargeBinary)  # Ed25519 over the manifest
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text, default=None)  # content-free reason
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    documents: Mapped[list[Document]] = relationship(back_populates="job", order_by="Document.index")
+
+
+class Document(Base):
+    __tablename__ = "documents"
+    __table_args__ = (
+        UniqueConstraint("job_id", "index", name="uq_documents_job_index"),
+        Index("ix_documents_job_shard", "job_id", "shard"),
+        Index("ix_documents_status_lease", "status", "lease_until"),
+    )
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"))
+    index: Mapped[int] = mapped_column(Integer)
+    shard: Mapped[int] = mapped_column(Integer, default=0)
+    sealed: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)  # None: never uploaded (too big)
+    sealed_name: Mapped[bytes] = mapped_column(LargeBinary)  # the document's path, sealed to the submitter
+    sha256: Mapped[str] = mapped_column(String(64))  # of the sealed bytes, as signed in the manifest
+    size: Mapped[int] = mapped_column(Integer, default=0)  # plaintext bytes, as the client measured them
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(200), default=None)
+    lease_until: Mapped[datetime | None] = mapped_column(default=None)
+    dispatched_at: Mapped[datetime | None] = mapped_column(default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)  # content-free reason
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    job: Mapped[Job] = relationship(back_populates="documents")
+
+
+class Result(Base):
+    """The sealed outcome of one document, written once, in the transaction that finishes the document."""
+
+    __tablename__ = "results"
+
+    document_id: Mapped[str] = mapped_column(ForeignKey("documents.id"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    sealed: Mapped[bytes] = mapped_column(LargeBinary)  # sealed to the submitter's X25519 key
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class AuditEvent(Base):
+    """One append-only row of the hash-chained audit log."""
+
+    __tablename__ = "audit_events"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    at: Mapped[str] = mapped_column(String(32))  # UTC, ISO 8601 with microseconds
+    actor: Mapped[str] = mapped_column(String(200))  # key fingerprint or worker id
+    action: Mapped[str] = mapped_column(String(40))
+    job_id: Mapped[str | None] = mapped_column(String(36), default=None, index=True)
+    document_id: Mapped[str | None] = mapped_column(String(36), default=None)
+    outcome: Mapped[str] = mapped_column(String(40), default="ok")
+    details: Mapped[str] = mapped_column(Text, default="{}")  # canonical JSON, no content
+    prev_hash: Mapped[str] = mapped_column(String(64))
+    hash: Mapped[str] = mapped_column(String(64))
+
+
+class AuditCheckpoint(Base):
+    """The service's signature over the log's size and head hash."""
+
+    __tablename__ = "audit_checkpoints"
+
+    size: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    head_hash: Mapped[str] = mapped_column(String(64))
+    at: Mapped[str] = mapped_column(String(32))
+    key_fingerprint: Mapped[str] = mapped_column(String(64))
+    signature: Mapped[bytes] = mapped_column(LargeBinary)
