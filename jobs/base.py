@@ -1,0 +1,181 @@
+"""What every job kind shares: documents, engine requests, results, and the `JobKind` contract.
+
+A worker drives a kind per shard: `requests(doc, model)` for each document (a `DocumentError` fails that
+document alone, recorded with `failure(error)`), one `engine.generate` over all requests of the shard, then
+`result(doc, outputs)` with each document's outputs in request order.
+
+The engine is imported lazily (it loads torch): the CLI validates parameters and batch files with `jobs`
+without paying for it.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from jobs.params import JobParamError
+
+if TYPE_CHECKING:
+    from engine import Engine, RequestOutput, SamplingParams
+
+__all__ = [
+    "Document",
+    "DocumentError",
+    "DocumentResult",
+    "EngineModel",
+    "EngineRequest",
+    "JobKind",
+    "JobParamError",
+    "ModelInfo",
+    "decode_text",
+    "ensure_fits",
+    "one_output",
+    "usage_of",
+]
+
+PROCESSING_ERROR = "processing_error"
+INVALID_REQUEST = "invalid_request"
+
+
+@dataclass(frozen=True)
+class Document:
+    """An opened document: `path` relative to what was submitted (or an OpenAI batch line's custom_id)."""
+
+    path: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One prompt for the engine: rendered text (chat template applied) or token ids."""
+
+    prompt: str | list[int]
+    sampling: SamplingParams
+
+
+@dataclass
+class DocumentResult:
+    """A document's outcome. `output` is JSON-serialisable; `error` is content-free; `raw` keeps model text
+    that could not be parsed (it goes only into the sealed result)."""
+
+    status: str  # "done" | "failed"
+    output: Any
+    error: str | None = None
+    raw: str | None = None
+    usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
+
+
+class ModelInfo(Protocol):
+    """What kinds may ask of the model."""
+
+    max_model_len: int
+
+    def count_tokens(self, text: str) -> int: ...
+
+    def render_chat(self, messages: list[dict], **template_kwargs: Any) -> str: ...
+
+
+class EngineModel:
+    """`ModelInfo` over a loaded `Engine` (which must have a tokenizer)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.max_model_len = engine.config.max_model_len
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.engine.tokenizer.encode(text, add_special_tokens=False))
+
+    def render_chat(self, messages: list[dict], **template_kwargs: Any) -> str:
+        return self.engine.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+
+
+class DocumentError(Exception):
+    """A document cannot be processed; the message is content-free. `code` is a machine reason
+    ("invalid_request" for bad request content, else "processing_error"), used by OpenAI batch output."""
+
+    def __init__(self, message: str, code: str = PROCESSING_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class JobKind(ABC):
+    """A kind of job: validates its parameters, turns documents into requests and outputs into results."""
+
+    name: ClassVar[str]
+    param_names: ClassVar[tuple[str, ...]]
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        given = {key: value for key, value in (params or {}).items() if value is not None}
+        unknown = sorted(set(given) - set(self.param_names))
+        if unknown:
+            raise JobParamError(
+                f"unknown parameter '{unknown[0]}' for kind '{self.name}' "
+                f"(known: {', '.join(sorted(self.param_names))})"
+            )
+        self._params = self.parse_params(given)
+
+    @abstractmethod
+    def parse_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Validate `params` (strings from the CLI or manifest values) into normalised, JSON-ready values."""
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The normalised parameters (they go into the signed manifest; `make_kind` accepts them back)."""
+        return copy.deepcopy(self._params)
+
+    @abstractmethod
+    def requests(self, doc: Document, model: ModelInfo) -> list[EngineRequest]:
+        """The engine requests for one document; raises `DocumentError` when it cannot be processed."""
+
+    @abstractmethod
+    def result(self, doc: Document, outputs: list[RequestOutput]) -> DocumentResult:
+        """The document's result from the outputs of its requests, in request order."""
+
+    def failure(self, error: DocumentError) -> DocumentResult:
+        """The result recorded for a document whose `requests` raised `error`."""
+        return DocumentResult(status="failed", output=None, error=str(error))
+
+    def sampling(self) -> SamplingParams:
+        """SamplingParams from the normalised parameters (max_tokens, temperature, top_p, seed)."""
+        from engine.sampling import SamplingParams  # lazy: torch is for workers, not the CLI
+
+        keys = ("max_tokens", "temperature", "top_p", "seed")
+        values = {key: self._params[key] for key in keys if key in self._params}
+        return SamplingParams(**values)
+
+
+def decode_text(doc: Document) -> str:
+    """The document as text; a leading byte-order mark is dropped."""
+    try:
+        text = doc.data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DocumentError(f"document is not valid UTF-8 (first bad byte at offset {exc.start})") from None
+    return text.removeprefix("\ufeff")
+
+
+def ensure_fits(model: ModelInfo, prompt: str, document: str, max_tokens: int) -> int:
+    """The prompt's token count; `DocumentError` when it plus `max_tokens` exceeds the model's context."""
+    needed = model.count_tokens(prompt) + max_tokens
+    if needed > model.max_model_len:
+        raise DocumentError(
+            f"document has {model.count_tokens(document)} tokens; with the instructions and {max_tokens} "
+            f"output tokens it needs {needed}, the model's context is {model.max_model_len}"
+        )
+    return needed - max_tokens
+
+
+def one_output(outputs: list[RequestOutput]) -> RequestOutput:
+    """The single output of a one-request document."""
+    if len(outputs) != 1:
+        raise ValueError(f"expected one output for the document, got {len(outputs)}")
+    return outputs[0]
+
+
+def usage_of(outputs: list[RequestOutput]) -> dict[str, int]:
+    """OpenAI-style token usage summed over a document's outputs."""
+    prompt = sum(out.prompt_token_count for out in outputs)
+    completion = sum(len(out.token_ids) for out in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
