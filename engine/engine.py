@@ -48,7 +48,7 @@ class Engine:
         device: torch.device,
         dtype: torch.dtype,
         max_num_seqs: int = 64,
-        prefill_chunk: int = 2048,
+        prefill_chunk: int = 8192,
     ) -> None:
         self.model = model
         self.config = config
@@ -67,7 +67,7 @@ class Engine:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         max_num_seqs: int = 64,
-        prefill_chunk: int = 2048,
+        prefill_chunk: int = 8192,
     ) -> Engine:
         """Load the checkpoint directory `path` (config.json, safetensors, optional tokenizer files).
 

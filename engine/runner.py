@@ -19,7 +19,7 @@ class StaticBatchRunner:
     """
 
     def __init__(
-        self, model: CausalLM, device: torch.device, dtype: torch.dtype, prefill_chunk: int = 2048
+        self, model: CausalLM, device: torch.device, dtype: torch.dtype, prefill_chunk: int = 8192
     ) -> None:
         self.model = model
         self.device = device
