@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m engine.demo
+	$(PY) -m pipeline.cli demo
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

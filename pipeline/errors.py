@@ -1,0 +1,69 @@
+"""Turn any exception into one line for the user. Expected errors say what to do; unexpected ones are logged
+with their stack (message dropped: it may quote data) and reported by type."""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from pathlib import Path
+
+log = logging.getLogger("enclave")
+
+
+def describe(exc: BaseException) -> str:
+    from kombu.exceptions import OperationalError as BrokerError
+    from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
+
+    from engine import EngineError
+    from jobs.base import JobParamError
+    from jobs.openai_batch import BatchFileError
+    from pipeline.client import ClientError
+    from pipeline.envelope import EnvelopeError, ManifestError
+    from pipeline.keys import KeyFileError
+    from pipeline.settings import SettingsError
+
+    if isinstance(exc, BatchFileError):
+        errors = getattr(exc, "errors", None) or [str(exc)]
+        return f"the batch file has {len(errors)} bad line(s), nothing was stored: " + "; ".join(errors)
+    if isinstance(exc, (OperationalError, ProgrammingError)) and "no such table" in str(exc.orig).lower():
+        return "the database is not initialised: run `enclave init` (or `enclave db upgrade`)"
+    if isinstance(exc, ProgrammingError) and "does not exist" in str(exc.orig):
+        return "the database is not initialised: run `enclave init` (or `enclave db upgrade`)"
+    if isinstance(exc, OperationalError) and "unable to open database file" in str(exc.orig):
+        return "the database file cannot be opened: run `enclave init` first (or check ENCLAVE_HOME)"
+    if isinstance(exc, DBAPIError):
+        return f"database error: {_first_line(str(exc.orig))}"
+    if isinstance(exc, BrokerError):
+        return f"cannot reach the broker: {_first_line(str(exc))}"
+    known = (
+        SettingsError,
+        KeyFileError,
+        EnvelopeError,
+        ManifestError,
+        ClientError,
+        JobParamError,
+        EngineError,
+        FileNotFoundError,
+        PermissionError,
+        IsADirectoryError,
+        NotADirectoryError,
+    )
+    if isinstance(exc, known):
+        return _first_line(str(exc)) or type(exc).__name__
+    return f"internal error ({type(exc).__name__}); the stack trace is in {_log_internal(exc)}"
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def _log_internal(exc: BaseException) -> Path:
+    home = Path(os.environ.get("ENCLAVE_HOME") or Path.home() / ".local" / "share" / "enclave").expanduser()
+    logs = home / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    file = logs / "enclave.log"
+    frames = "".join(traceback.format_tb(exc.__traceback__))
+    with open(file, "a") as f:
+        f.write(f"internal error {type(exc).__name__} (message withheld: it may quote data)\n{frames}\n")
+    return file

@@ -1,0 +1,116 @@
+"""`enclave init`: the home folder, a migrated database, service keys, a client identity on the allow-list
+and the demo model. Every step is idempotent."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline import audit, keys, migrate
+from pipeline.db import Database
+from pipeline.models import Client
+from pipeline.settings import Settings
+
+SERVICE_PASSPHRASE_ENV = "ENCLAVE_SERVICE_PASSPHRASE"
+CLIENT_PASSPHRASE_ENV = "ENCLAVE_CLIENT_PASSPHRASE"
+
+
+@dataclass(frozen=True)
+class InitReport:
+    home: Path
+    database_url: str
+    service_fingerprint: str
+    client_fingerprint: str
+    model: Path
+    created: tuple[str, ...]
+
+
+def passphrase(env_var: str) -> bytes | None:
+    value = os.environ.get(env_var) or os.environ.get(keys.PASSPHRASE_ENV)
+    return value.encode() if value else None
+
+
+def ensure_model(settings: Settings) -> Path:
+    """The model directory to load; the random demo model is written into the home on first use."""
+    if settings.model is not None:
+        if not (settings.model / "config.json").exists():
+            raise FileNotFoundError(f"ENCLAVE_MODEL {settings.model} has no config.json")
+        return settings.model
+    path = settings.model_path
+    if not (path / "config.json").exists():
+        from engine.demo_model import write_demo_model  # imports torch: only when the model is written
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=path.parent))
+        write_demo_model(staging)
+        try:
+            staging.rename(path)
+        except OSError:  # another process won the race
+            shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def init(settings: Settings, client_name: str | None = None) -> InitReport:
+    created: list[str] = []
+    settings.home.mkdir(parents=True, exist_ok=True)
+    os.chmod(settings.home, 0o700)
+    db = Database(settings.database_url)
+    try:
+        before = migrate.current_revision(db.engine)
+        migrate.upgrade(db.engine)
+        if before != migrate.head_revision():
+            created.append("database")
+        service = _identity(
+            settings.service_key_dir, passphrase(SERVICE_PASSPHRASE_ENV), created, "service keys"
+        )
+        client = _identity(
+            settings.client_key_dir, passphrase(CLIENT_PASSPHRASE_ENV), created, "client identity"
+        )
+        name = client_name or os.environ.get("USER") or "local"
+        with db.transaction() as s:
+            if s.get(Client, client.public.fingerprint) is None:
+                add_client(s, name, client.public, actor=service.public.fingerprint)
+                created.append("allow-list entry")
+    finally:
+        db.dispose()
+    model = ensure_model(settings)
+    return InitReport(
+        settings.home,
+        settings.database_url,
+        service.public.fingerprint,
+        client.public.fingerprint,
+        model,
+        tuple(created),
+    )
+
+
+def _identity(directory: Path, secret: bytes | None, created: list[str], label: str) -> keys.Identity:
+    if (directory / keys.X25519_FILE).exists():
+        return keys.load_identity(directory, secret)
+    identity = keys.generate_identity()
+    keys.save_identity(identity, directory, secret)
+    created.append(label)
+    return identity
+
+
+def add_client(session, name: str, public: keys.PublicIdentity, actor: str) -> Client:
+    """Allow-list a client key (again, if it was revoked)."""
+    client = session.get(Client, public.fingerprint)
+    if client is None:
+        client = Client(
+            fingerprint=public.fingerprint,
+            name=name,
+            x25519_public=public.x25519,
+            ed25519_public=public.ed25519,
+        )
+        session.add(client)
+    else:
+        client.revoked_at = None
+    session.flush()
+    audit.append(
+        session, actor=actor, action="client_added", details={"client": public.fingerprint, "name": name}
+    )
+    return client

@@ -1,0 +1,39 @@
+"""Write opened results on the client: results.jsonl always, report.md for code review, output.jsonl (the
+OpenAI batch output format) for OpenAI batches. Files are created 0600: they hold plaintext."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from jobs.code_review import build_report
+from jobs.openai_batch import output_line
+
+
+def write_results(out_dir: Path, kind: str, records: list[dict]) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [
+        {"document": r["document"], "status": r["status"], "output": r["output"], "error": r["error"]}
+        | ({"raw": r["raw"]} if "raw" in r else {})
+        for r in records
+    ]
+    files = [
+        _write(out_dir / "results.jsonl", "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
+    ]
+    if kind == "code-review":
+        report = build_report([(r["document"], r) for r in records])
+        files.append(_write(out_dir / "report.md", report))
+    if kind == "chat":
+        batch = [output_line(r["document"], r) for r in records]
+        files.append(
+            _write(out_dir / "output.jsonl", "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in batch))
+        )
+    return files
+
+
+def _write(path: Path, text: str) -> Path:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path

@@ -1,0 +1,335 @@
+"""The GPU worker: verify a job before opening anything, lease a shard's documents, open them in memory,
+run the job kind through the engine, seal each result to the submitter and record it exactly once.
+
+One `WorkerRuntime` per process (attached to the Celery app): the engine loads once, lazily, and shard tasks
+running in threads share it. Logs carry ids, counts and timings only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from celery import Celery
+
+from engine import Engine, EngineError
+from jobs import make_kind
+from jobs.base import Document as OpenedDocument
+from jobs.base import DocumentError, DocumentResult, EngineModel, EngineRequest, JobKind, JobParamError
+from pipeline import audit, envelope, keys, store
+from pipeline.db import Database
+from pipeline.models import Client, Document, Job
+from pipeline.settings import Settings
+from pipeline.tasks import dispatch_shard
+
+log = logging.getLogger("enclave.worker")
+_RUNTIME_LOCK = threading.Lock()
+
+
+class JobRejected(Exception):
+    """The job must not run: unsigned, forged, or from a client that is not allow-listed."""
+
+
+@dataclass(frozen=True)
+class Leased:
+    """One leased document, copied out of its transaction."""
+
+    id: str
+    index: int
+    sealed: bytes | None
+
+
+def runtime_for(app: Celery) -> WorkerRuntime:
+    """The process's runtime for `app`, created on first use."""
+    with _RUNTIME_LOCK:
+        runtime = getattr(app, "_enclave_runtime", None)
+        if runtime is None:
+            runtime = WorkerRuntime(app, app.enclave_settings)
+            app._enclave_runtime = runtime
+        return runtime
+
+
+class WorkerRuntime:
+    def __init__(self, app: Celery, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+        self.db = Database(settings.database_url)
+        self.worker_id = f"worker:{socket.gethostname()}:{os.getpid()}"
+        self._identity: keys.Identity | None = None
+        self._engine: Engine | None = None
+        self._model: EngineModel | None = None
+        self._load_lock = threading.Lock()
+        self._generate_lock = threading.Lock()  # the static-batch engine runs one batch at a time
+        self._active = 0
+        self._active_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sweeper: threading.Thread | None = None
+
+    @property
+    def identity(self) -> keys.Identity:
+        with self._load_lock:
+            if self._identity is None:
+                passphrase = os.environ.get("ENCLAVE_SERVICE_PASSPHRASE")
+                self._identity = keys.load_identity(
+                    self.settings.service_key_dir, passphrase.encode() if passphrase else None
+                )
+            return self._identity
+
+    @property
+    def model(self) -> EngineModel:
+        with self._load_lock:
+            if self._engine is None:
+                from pipeline.home import ensure_model
+
+                path = ensure_model(self.settings)
+                start = time.perf_counter()
+                self._engine = Engine.from_pretrained(
+                    path, device=self.settings.device, dtype=self.settings.dtype
+                )
+                self._model = EngineModel(self._engine)
+                log.info("engine loaded from %s in %.1fs", path, time.perf_counter() - start)
+            return self._model
+
+    def process_shard(self, job_id: str, shard: int) -> None:
+        with self._active_lock:
+            self._active += 1
+        try:
+            self._process_shard(job_id, shard)
+        finally:
+            with self._active_lock:
+                self._active -= 1
+
+    def _process_shard(self, job_id: str, shard: int) -> None:
+        start = time.perf_counter()
+        limits = self.settings.limits
+        with self.db.transaction() as s:
+            job = s.get(Job, job_id)
+            if job is None or job.status not in store.ACTIVE_JOB:
+                return
+            try:
+                manifest, client_x25519 = self._verify(s, job)
+            except JobRejected as exc:
+                reason = str(exc)
+            else:
+                reason = None
+        if reason is not None:
+            with self.db.transaction() as s:
+                store.fail_job(s, job_id, reason, self.worker_id)
+                self._checkpoint(s, force=True)
+            log.warning("job %s rejected: %s", job_id, reason)
+            return
+        with self.db.transaction() as s:
+            leased, exhausted = store.lease(
+                s, job_id, shard, self.worker_id, limits.lease_seconds, limits.max_attempts
+            )
+            for doc in exhausted:
+                store.fail_unopened(
+                    s, doc, f"gave up after {doc.attempts} attempts: {doc.error}", self.worker_id
+                )
+            if leased:
+                store.start_job(s, job_id, self.worker_id)
+            work = [Leased(d.id, d.index, d.sealed) for d in leased]
+        if not work:
+            return
+        try:
+            kind = make_kind(manifest["kind"], manifest["params"])
+        except JobParamError as exc:
+            with self.db.transaction() as s:
+                store.fail_job(s, job_id, f"invalid job parameters: {exc}", self.worker_id)
+            return
+        hashes = {d["id"]: d["sha256"] for d in manifest["documents"]}
+        outcomes = self._run(job_id, kind, work, hashes)
+        done = failed = 0
+        for item, result in outcomes:
+            if result is None:
+                continue
+            ok = self._record(job_id, item, result, client_x25519)
+            done += ok and result.status == "done"
+            failed += ok and result.status == "failed"
+        with self.db.transaction() as s:
+            self._checkpoint(s, force=s.get(Job, job_id).status != "running")
+        log.info(
+            "job %s shard %d: %d documents, %d done, %d failed in %.2fs",
+            job_id,
+            shard,
+            len(work),
+            done,
+            failed,
+            time.perf_counter() - start,
+        )
+
+    def _verify(self, session, job: Job) -> tuple[dict, bytes]:
+        """Check the allow-list and the manifest signature before anything is opened."""
+        client = session.get(Client, job.client_fingerprint)
+        if client is None:
+            raise JobRejected(f"client {job.client_fingerprint[:16]} is not on the allow-list")
+        if client.revoked_at is not None:
+            raise JobRejected(f"client {job.client_fingerprint[:16]} was revoked")
+        public = keys.PublicIdentity(x25519=client.x25519_public, ed25519=client.ed25519_public)
+        try:
+            manifest = envelope.verify_manifest(job.manifest, job.signature, public)
+        except envelope.ManifestError as exc:
+            raise JobRejected(str(exc)) from None
+        if (
+            manifest["job_id"] != job.id
+            or manifest["kind"] != job.kind
+            or manifest["client"] != client.fingerprint
+        ):
+            raise JobRejected("the signed manifest belongs to another job")
+        ids = {d.id for d in session.query(Document.id).filter(Document.job_id == job.id)}
+        if ids != {d["id"] for d in manifest["documents"]}:
+            raise JobRejected("the job's documents differ from the signed manifest")
+        return manifest, client.x25519_public
+
+    def _open(self, job_id: str, item: Leased, hashes: dict[str, str]) -> OpenedDocument:
+        if item.sealed is None:
+            raise DocumentError("document was never uploaded")
+        if envelope.sha256_hex(item.sealed) != hashes.get(item.id):
+            raise DocumentError("ciphertext does not match the signed manifest")
+        try:
+            path, data = envelope.unpack_document(
+                envelope.open_document(item.sealed, self.identity, job_id, item.id)
+            )
+        except envelope.EnvelopeError as exc:
+            raise DocumentError(str(exc)) from None
+        limit = self.settings.limits.max_document_bytes
+        if len(data) > limit:
+            raise DocumentError(f"document is {len(data)} bytes; the limit is {limit}")
+        return OpenedDocument(path=path, data=data)
+
+    def _run(
+        self, job_id: str, kind: JobKind, work: list[Leased], hashes: dict[str, str]
+    ) -> list[tuple[Leased, DocumentResult | None]]:
+        """Each document's result; None where the lease was given back for a retry."""
+        outcomes: list[tuple[Leased, DocumentResult | None]] = []
+        ready: list[tuple[Leased, OpenedDocument, list[EngineRequest]]] = []
+        for item in work:
+            try:
+                doc = self._open(job_id, item, hashes)
+                ready.append((item, doc, kind.requests(doc, self.model)))
+            except DocumentError as exc:
+                outcomes.append((item, kind.failure(exc)))
+            except Exception as exc:  # a bug or an outage: retry later, keep the reason content-free
+                outcomes.append((item, self._give_back(item, exc)))
+        for (item, doc, _), outputs in zip(ready, self._generate([r for _, _, r in ready]), strict=True):
+            if isinstance(outputs, DocumentError):
+                outcomes.append((item, kind.failure(outputs)))
+                continue
+            try:
+                outcomes.append((item, kind.result(doc, outputs)))
+            except Exception as exc:
+                outcomes.append((item, self._give_back(item, exc)))
+        return outcomes
+
+    def _generate(self, batches: list[list[EngineRequest]]) -> list[list | DocumentError]:
+        """One engine batch for the whole shard; if the engine refuses it, per document, so one bad
+        document fails alone."""
+        if not batches:
+            return []
+        flat = [r for batch in batches for r in batch]
+        with self._generate_lock:
+            try:
+                outs = self.model.engine.generate([r.prompt for r in flat], [r.sampling for r in flat])
+            except EngineError:
+                return [self._generate_one(batch) for batch in batches]
+        results, start = [], 0
+        for batch in batches:
+            results.append(outs[start : start + len(batch)])
+            start += len(batch)
+        return results
+
+    def _generate_one(self, batch: list[EngineRequest]) -> list | DocumentError:
+        try:
+            return self.model.engine.generate([r.prompt for r in batch], [r.sampling for r in batch])
+        except EngineError as exc:  # the engine refused this document's request(s): a bad request
+            return DocumentError(str(exc), code="invalid_request")
+
+    def _give_back(self, item: Leased, exc: Exception) -> None:
+        reason = f"internal error ({type(exc).__name__})"
+        log.error("document %s: %s", item.id, reason, exc_info=_traceback_without_message(exc))
+        with self.db.transaction() as s:
+            store.release(s, item.id, self.worker_id, reason)
+        return None
+
+    def _record(self, job_id: str, item: Leased, result: DocumentResult, client_x25519: bytes) -> bool:
+        record = {
+            "status": result.status,
+            "output": result.output,
+            "error": result.error,
+            "raw": result.raw,
+            "usage": result.usage,
+        }
+        payload = json.dumps(record, ensure_ascii=False).encode()
+        sealed = envelope.seal_result(payload, client_x25519, job_id, item.id)
+        with self.db.transaction() as s:
+            return store.finish_document(
+                s, item.id, self.worker_id, result.status, sealed, result.error, self.worker_id
+            )
+
+    def _checkpoint(self, session, force: bool = False) -> None:
+        identity = self.identity
+        sign, fingerprint = identity.sign, identity.public.fingerprint
+        if force:
+            audit.checkpoint(session, sign=sign, key_fingerprint=fingerprint)
+        else:
+            audit.maybe_checkpoint(session, self.settings.limits.checkpoint_every, sign, fingerprint)
+
+    def sweep(self) -> int:
+        """Re-dispatch shards whose leases expired or whose messages may be lost. Returns how many."""
+        with self.db.transaction() as s:
+            pairs = store.shards_to_dispatch(s, self.settings.limits.lease_seconds)
+            priorities = {j: s.get(Job, j).priority for j, _ in pairs}
+            for job_id, shard in pairs:
+                store.mark_dispatched(s, job_id, shard)
+        for job_id, shard in pairs:
+            dispatch_shard(self.app, job_id, shard, priorities[job_id])
+        if pairs:
+            log.info("sweeper re-dispatched %d shards", len(pairs))
+        return len(pairs)
+
+    def start_sweeper(self) -> None:
+        if self._sweeper is not None:
+            return
+        interval = min(30.0, max(0.5, self.settings.limits.lease_seconds / 2))
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                try:
+                    self.sweep()
+                except Exception as exc:
+                    log.error("sweeper: %s", type(exc).__name__, exc_info=_traceback_without_message(exc))
+                self._stop.wait(interval)
+
+        self._sweeper = threading.Thread(target=loop, name="enclave-sweeper", daemon=True)
+        self._sweeper.start()
+
+    def stop_sweeper(self) -> None:
+        self._stop.set()
+
+    def idle(self) -> bool:
+        """No shard running here and no unfinished document in any active job."""
+        with self._active_lock:
+            if self._active:
+                return False
+        with self.db.transaction() as s:
+            return not store.has_open_work(s)
+
+
+def _traceback_without_message(exc: BaseException) -> tuple:
+    """exc_info whose exception text is dropped: messages can quote data; the frames cannot."""
+    bare = type(exc)() if _constructible(type(exc)) else RuntimeError(type(exc).__name__)
+    bare.__traceback__ = exc.__traceback__
+    return (type(bare), bare, exc.__traceback__)
+
+
+def _constructible(cls: type) -> bool:
+    try:
+        cls()
+    except Exception:
+        return False
+    return True
