@@ -7,6 +7,7 @@ import logging
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,6 +37,8 @@ def run_demo(keep: bool = False) -> int:
         limits=Limits(lease_seconds=60, shard_size=8),
     )
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True)
+    # The demo may run as root in a container; Celery's warning about that is not news here.
+    warnings.filterwarnings("ignore", message=".*superuser privileges.*")
     console.print(f"[bold]Enclave demo[/bold] in {home} (SQLite database and broker, CPU). {LABEL}.")
     start = time.perf_counter()
     try:

@@ -58,12 +58,17 @@ def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
 
 
+def stack_without_message(exc: BaseException) -> str:
+    """The exception's type and stack frames; its message is dropped, since messages can quote data."""
+    frames = "".join(traceback.format_tb(exc.__traceback__))
+    return f"{type(exc).__name__} (message withheld: it may quote data)\n{frames}"
+
+
 def _log_internal(exc: BaseException) -> Path:
     home = Path(os.environ.get("ENCLAVE_HOME") or Path.home() / ".local" / "share" / "enclave").expanduser()
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     file = logs / "enclave.log"
-    frames = "".join(traceback.format_tb(exc.__traceback__))
     with open(file, "a") as f:
-        f.write(f"internal error {type(exc).__name__} (message withheld: it may quote data)\n{frames}\n")
+        f.write(f"internal error {stack_without_message(exc)}\n")
     return file

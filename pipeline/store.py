@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from pipeline import audit
@@ -90,40 +90,33 @@ def list_jobs(session: Session, limit: int = 100) -> list[JobStatus]:
 def lease(
     session: Session, job_id: str, shard: int, owner: str, lease_seconds: float, max_attempts: int
 ) -> tuple[list[Document], list[Document]]:
-    """Lease the shard's pending (or expired) documents to `owner`.
+    """Lease the shard's pending (or expired) documents to `owner`, in one atomic UPDATE.
 
     Returns (leased, exhausted): documents now leased, and documents that already used `max_attempts`
     and must be failed by the caller.
     """
     now = utcnow()
-    candidates = session.scalars(
-        select(Document)
-        .where(Document.job_id == job_id, Document.shard == shard)
-        .where(
-            or_(Document.status == "pending", and_(Document.status == "leased", Document.lease_until < now))
+    available = and_(
+        Document.job_id == job_id,
+        Document.shard == shard,
+        or_(Document.status == "pending", and_(Document.status == "leased", Document.lease_until < now)),
+    )
+    # A concurrent worker's UPDATE of the same rows waits for this one, then re-checks the WHERE clause and
+    # finds them leased: each document goes to exactly one lease holder.
+    ids = session.scalars(
+        update(Document)
+        .where(available, Document.attempts < max_attempts)
+        .values(
+            status="leased",
+            lease_owner=owner,
+            lease_until=now + timedelta(seconds=lease_seconds),
+            attempts=Document.attempts + 1,
         )
-        .order_by(Document.index)
+        .returning(Document.id)
     ).all()
-    leased, exhausted = [], []
-    for doc in candidates:
-        if doc.attempts >= max_attempts:
-            exhausted.append(doc)
-            continue
-        # Compare-and-set: another worker may have leased it since the select.
-        taken = session.execute(
-            update(Document)
-            .where(Document.id == doc.id, Document.status == doc.status, Document.attempts == doc.attempts)
-            .values(
-                status="leased",
-                lease_owner=owner,
-                lease_until=now + timedelta(seconds=lease_seconds),
-                attempts=Document.attempts + 1,
-            )
-        ).rowcount
-        if taken:
-            session.refresh(doc)
-            leased.append(doc)
-    return leased, exhausted
+    leased = session.scalars(select(Document).where(Document.id.in_(ids)).order_by(Document.index)).all()
+    exhausted = session.scalars(select(Document).where(available, Document.attempts >= max_attempts)).all()
+    return list(leased), list(exhausted)
 
 
 def start_job(session: Session, job_id: str, actor: str) -> None:
@@ -146,35 +139,38 @@ def finish_document(
     error: str | None,
     actor: str,
     details: dict | None = None,
+    complete: bool = True,
 ) -> bool:
     """Mark a leased document done or failed and store its sealed result, all or nothing.
 
     Returns False (and changes nothing) when `owner` no longer holds the lease: the document was finished
-    by someone else or cancelled.
+    by someone else or cancelled. With `complete`, also completes the job when this was its last document
+    (pass False when finishing several documents in one transaction, then call complete_job_if_finished).
     """
     if status not in ("done", "failed"):
         raise ValueError(f"finish_document status must be done or failed, got {status!r}")
-    doc = session.get(Document, doc_id)
-    changed = session.execute(
+    job_id = session.scalars(
         update(Document)
         .where(Document.id == doc_id, Document.status == "leased", Document.lease_owner == owner)
         .values(status=status, error=error, lease_until=None)
-    ).rowcount
-    if not changed:
+        .returning(Document.job_id)
+    ).first()
+    if job_id is None:
         return False
     if sealed_result is not None:
-        session.add(Result(document_id=doc_id, job_id=doc.job_id, sealed=sealed_result))
+        session.execute(insert(Result).values(document_id=doc_id, job_id=job_id, sealed=sealed_result))
     action = "document_done" if status == "done" else "document_failed"
     audit.append(
         session,
         actor=actor,
         action=action,
-        job_id=doc.job_id,
+        job_id=job_id,
         document_id=doc_id,
         outcome="ok" if status == "done" else "error",
         details={"error": error, **(details or {})},
     )
-    complete_job_if_finished(session, doc.job_id, actor)
+    if complete:
+        complete_job_if_finished(session, job_id, actor)
     return True
 
 

@@ -23,6 +23,7 @@ from jobs.base import Document as OpenedDocument
 from jobs.base import DocumentError, DocumentResult, EngineModel, EngineRequest, JobKind, JobParamError
 from pipeline import audit, envelope, keys, store
 from pipeline.db import Database
+from pipeline.errors import stack_without_message
 from pipeline.models import Client, Document, Job
 from pipeline.settings import Settings
 from pipeline.tasks import dispatch_shard
@@ -67,6 +68,7 @@ class WorkerRuntime:
         self._generate_lock = threading.Lock()  # the static-batch engine runs one batch at a time
         self._active = 0
         self._active_lock = threading.Lock()
+        self._engine_seconds = threading.local()  # time inside engine.generate, per shard thread
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
 
@@ -143,24 +145,36 @@ class WorkerRuntime:
                 store.fail_job(s, job_id, f"invalid job parameters: {exc}", self.worker_id)
             return
         hashes = {d["id"]: d["sha256"] for d in manifest["documents"]}
-        outcomes = self._run(job_id, kind, work, hashes)
-        done = failed = 0
-        for item, result in outcomes:
-            if result is None:
-                continue
-            ok = self._record(job_id, item, result, client_x25519)
-            done += ok and result.status == "done"
-            failed += ok and result.status == "failed"
-        with self.db.transaction() as s:
-            self._checkpoint(s, force=s.get(Job, job_id).status != "running")
+        outcomes = [
+            (item, result) for item, result in self._run(job_id, kind, work, hashes) if result is not None
+        ]
+        sealed = [self._seal(job_id, item, result, client_x25519) for item, result in outcomes]
+        recorded = []
+        with self.db.transaction() as s:  # one commit per shard; the lease check stays per document
+            for (item, result), payload in zip(outcomes, sealed, strict=True):
+                ok = store.finish_document(
+                    s,
+                    item.id,
+                    self.worker_id,
+                    result.status,
+                    payload,
+                    result.error,
+                    self.worker_id,
+                    complete=False,
+                )
+                recorded.append(ok and result.status)
+            finished = store.complete_job_if_finished(s, job_id, self.worker_id)
+            self._checkpoint(s, force=finished)
+        done, failed = recorded.count("done"), recorded.count("failed")
         log.info(
-            "job %s shard %d: %d documents, %d done, %d failed in %.2fs",
+            "job %s shard %d: %d documents, %d done, %d failed in %.3fs (engine %.3fs)",
             job_id,
             shard,
             len(work),
             done,
             failed,
             time.perf_counter() - start,
+            getattr(self._engine_seconds, "value", 0.0),
         )
 
     def _verify(self, session, job: Job) -> tuple[dict, bytes]:
@@ -233,10 +247,13 @@ class WorkerRuntime:
             return []
         flat = [r for batch in batches for r in batch]
         with self._generate_lock:
+            start = time.perf_counter()
             try:
                 outs = self.model.engine.generate([r.prompt for r in flat], [r.sampling for r in flat])
             except EngineError:
                 return [self._generate_one(batch) for batch in batches]
+            finally:
+                self._engine_seconds.value = time.perf_counter() - start
         results, start = [], 0
         for batch in batches:
             results.append(outs[start : start + len(batch)])
@@ -251,12 +268,12 @@ class WorkerRuntime:
 
     def _give_back(self, item: Leased, exc: Exception) -> None:
         reason = f"internal error ({type(exc).__name__})"
-        log.error("document %s: %s", item.id, reason, exc_info=_traceback_without_message(exc))
+        log.error("document %s: %s: %s", item.id, reason, stack_without_message(exc))
         with self.db.transaction() as s:
             store.release(s, item.id, self.worker_id, reason)
         return None
 
-    def _record(self, job_id: str, item: Leased, result: DocumentResult, client_x25519: bytes) -> bool:
+    def _seal(self, job_id: str, item: Leased, result: DocumentResult, client_x25519: bytes) -> bytes:
         record = {
             "status": result.status,
             "output": result.output,
@@ -265,11 +282,7 @@ class WorkerRuntime:
             "usage": result.usage,
         }
         payload = json.dumps(record, ensure_ascii=False).encode()
-        sealed = envelope.seal_result(payload, client_x25519, job_id, item.id)
-        with self.db.transaction() as s:
-            return store.finish_document(
-                s, item.id, self.worker_id, result.status, sealed, result.error, self.worker_id
-            )
+        return envelope.seal_result(payload, client_x25519, job_id, item.id)
 
     def _checkpoint(self, session, force: bool = False) -> None:
         identity = self.identity
@@ -302,7 +315,7 @@ class WorkerRuntime:
                 try:
                     self.sweep()
                 except Exception as exc:
-                    log.error("sweeper: %s", type(exc).__name__, exc_info=_traceback_without_message(exc))
+                    log.error("sweeper: %s", stack_without_message(exc))
                 self._stop.wait(interval)
 
         self._sweeper = threading.Thread(target=loop, name="enclave-sweeper", daemon=True)
@@ -318,18 +331,3 @@ class WorkerRuntime:
                 return False
         with self.db.transaction() as s:
             return not store.has_open_work(s)
-
-
-def _traceback_without_message(exc: BaseException) -> tuple:
-    """exc_info whose exception text is dropped: messages can quote data; the frames cannot."""
-    bare = type(exc)() if _constructible(type(exc)) else RuntimeError(type(exc).__name__)
-    bare.__traceback__ = exc.__traceback__
-    return (type(bare), bare, exc.__traceback__)
-
-
-def _constructible(cls: type) -> bool:
-    try:
-        cls()
-    except Exception:
-        return False
-    return True
