@@ -89,3 +89,52 @@ def test_priority_orders_work_on_redis(tmp_path, demo_model, pg_url):
     }
     client.flushdb()
     assert started[high] < started[low]
+
+
+def test_keys_create_and_db_commands(embedded, tmp_path):
+    refused = embedded.run("keys", "create", check=False)
+    assert refused.returncode == 1 and "overwrite" in refused.stderr.lower()
+    other = Enclave({**embedded.env, "ENCLAVE_HOME": str(tmp_path / "other-home")}, tmp_path, "embedded")
+    created = other.run("keys", "create")
+    fingerprint = created.stdout.split()[-1]
+    assert len(fingerprint) == 64 and (tmp_path / "other-home" / "client" / "public.json").exists()
+    assert "revision 0002" in embedded.run("db", "upgrade").stdout
+    assert "revision 0001" in embedded.run("db", "downgrade", "0001").stdout
+    assert "revision 0002" in embedded.run("db", "upgrade").stdout
+    assert embedded.json("jobs") == []
+
+
+def test_plain_celery_worker_serves_jobs(embedded):
+    import subprocess
+    import sys
+    import time
+
+    job = embedded.submit(str(NOTES / "note-05-asthma.txt"), "--kind", "summarize", "--param", "max_tokens=8")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "pipeline.celery_app",
+            "worker",
+            "--pool",
+            "threads",
+            "--concurrency",
+            "2",
+            "--loglevel",
+            "WARNING",
+        ],
+        env=embedded.env,
+        cwd=embedded.tmp,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and embedded.json("status", job)["status"] != "completed":
+            time.sleep(0.5)
+    finally:
+        embedded.kill(proc)
+    assert embedded.json("status", job)["done"] == 1
