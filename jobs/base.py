@@ -50,10 +50,16 @@ class Document:
 
 @dataclass(frozen=True)
 class EngineRequest:
-    """One prompt for the engine: rendered text (chat template applied) or token ids."""
+    """One prompt for the engine: text or token ids.
+
+    Text rendered through the chat template already holds its special tokens, so it is encoded without
+    adding any (`add_special_tokens` False); a raw completion prompt is encoded as the tokenizer would by
+    default (True), as vLLM does.
+    """
 
     prompt: str | list[int]
     sampling: SamplingParams
+    add_special_tokens: bool = False
 
 
 @dataclass

@@ -58,7 +58,8 @@ class Chat(JobKind):
             prompt = _completion_prompt(body.get("prompt"))
             prompt_tokens = model.count_tokens(prompt) if isinstance(prompt, str) else len(prompt)
         max_tokens = self._max_tokens(body, prompt_tokens, model.max_model_len)
-        return [EngineRequest(prompt, _sampling(body, max_tokens))]
+        raw_completion = url == COMPLETIONS_URL and isinstance(prompt, str)
+        return [EngineRequest(prompt, _sampling(body, max_tokens), add_special_tokens=raw_completion)]
 
     def result(self, doc: Document, outputs: list[RequestOutput]) -> DocumentResult:
         url, body = _request(doc)

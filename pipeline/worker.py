@@ -249,7 +249,7 @@ class WorkerRuntime:
         with self._generate_lock:
             start = time.perf_counter()
             try:
-                outs = self.model.engine.generate([r.prompt for r in flat], [r.sampling for r in flat])
+                outs = self.model.engine.generate([self._prompt(r) for r in flat], [r.sampling for r in flat])
             except EngineError:
                 return [self._generate_one(batch) for batch in batches]
             finally:
@@ -260,9 +260,17 @@ class WorkerRuntime:
             start += len(batch)
         return results
 
+    def _prompt(self, request: EngineRequest) -> str | list[int]:
+        """Token ids for text prompts, encoded as the request says (chat-rendered text adds no specials)."""
+        if isinstance(request.prompt, str):
+            return self.model.engine.tokenizer.encode(
+                request.prompt, add_special_tokens=request.add_special_tokens
+            )
+        return request.prompt
+
     def _generate_one(self, batch: list[EngineRequest]) -> list | DocumentError:
         try:
-            return self.model.engine.generate([r.prompt for r in batch], [r.sampling for r in batch])
+            return self.model.engine.generate([self._prompt(r) for r in batch], [r.sampling for r in batch])
         except EngineError as exc:  # the engine refused this document's request(s): a bad request
             return DocumentError(str(exc), code="invalid_request")
 

@@ -123,3 +123,15 @@ def test_a_conversation_the_template_refuses_is_invalid():
     with pytest.raises(DocumentError, match="could not be rendered with the model's chat template") as caught:
         make_kind("chat", {}).requests(request(CHAT), StrictModel())
     assert caught.value.code == "invalid_request"
+
+
+def test_only_raw_completion_text_gets_the_tokenizers_special_tokens(model):
+    chat = make_kind("chat", {})
+    (rendered,) = chat.requests(request({"messages": [{"role": "user", "content": "hi"}]}), model)
+    (raw,) = chat.requests(request({"prompt": "Once"}, url="/v1/completions"), model)
+    (ids,) = chat.requests(request({"prompt": [1, 2, 3]}, url="/v1/completions"), model)
+    assert not rendered.add_special_tokens  # the chat template already wrote them
+    assert raw.add_special_tokens and not ids.add_special_tokens
+    for kind, params in (("summarize", {}), ("extract", {"fields": "a"}), ("code-review", {})):
+        (req, *_) = make_kind(kind, params).requests(Document("a.py", b"x = 1\n"), model)
+        assert not req.add_special_tokens
