@@ -144,6 +144,16 @@ class JobKind(ABC):
         """The result recorded for a document whose `requests` raised `error`."""
         return DocumentResult(status="failed", output=None, error=str(error))
 
+    def instructed_request(self, model: ModelInfo, instructions: str, text: str) -> EngineRequest:
+        """The one-prompt request of most kinds: `instructions` (plus the job's optional `instructions`
+        parameter) as the system message, the document text as the user message, checked to fit."""
+        if extra := self._params.get("instructions"):
+            instructions += "\n\n" + extra
+        messages = [{"role": "system", "content": instructions}, {"role": "user", "content": text}]
+        prompt = model.render_chat(messages)
+        ensure_fits(model, prompt, text, self._params["max_tokens"])
+        return EngineRequest(prompt, self.sampling())
+
     def sampling(self) -> SamplingParams:
         """SamplingParams from the normalised parameters (max_tokens, temperature, top_p, seed)."""
         from engine.sampling import SamplingParams  # lazy: torch is for workers, not the CLI
@@ -154,12 +164,16 @@ class JobKind(ABC):
 
 
 def decode_text(doc: Document) -> str:
-    """The document as text; a leading byte-order mark is dropped."""
+    """The document as text, a leading byte-order mark dropped; `DocumentError` when it is not UTF-8 or
+    holds nothing but whitespace."""
     try:
         text = doc.data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DocumentError(f"document is not valid UTF-8 (first bad byte at offset {exc.start})") from None
-    return text.removeprefix("\ufeff")
+    text = text.removeprefix("\ufeff")
+    if not text.strip():
+        raise DocumentError("document is empty")
+    return text
 
 
 def ensure_fits(model: ModelInfo, prompt: str, document: str, max_tokens: int) -> int:

@@ -50,10 +50,7 @@ class CodeReview(JobKind):
         return parsed
 
     def requests(self, doc: Document, model: ModelInfo) -> list[EngineRequest]:
-        text = decode_text(doc)
-        if not text.strip():
-            raise DocumentError("document is empty")
-        lines = text.split("\n")
+        lines = decode_text(doc).split("\n")
         if lines[-1] == "":
             lines.pop()
         lines = [line.removesuffix("\r") for line in lines]

@@ -12,13 +12,11 @@ from jsonschema.exceptions import SchemaError, best_match
 
 from jobs.base import (
     Document,
-    DocumentError,
     DocumentResult,
     EngineRequest,
     JobKind,
     ModelInfo,
     decode_text,
-    ensure_fits,
     one_output,
     usage_of,
 )
@@ -58,8 +56,6 @@ class Extract(JobKind):
 
     def requests(self, doc: Document, model: ModelInfo) -> list[EngineRequest]:
         text = decode_text(doc)
-        if not text.strip():
-            raise DocumentError("document is empty")
         if "fields" in self._params:
             shape = (
                 "Return a JSON object with exactly these keys: "
@@ -70,12 +66,7 @@ class Extract(JobKind):
             shape = "The object must conform to this JSON Schema:\n" + json.dumps(
                 self._params["schema"], indent=2
             )
-        system = f"{INSTRUCTIONS}\n\n{shape}"
-        if extra := self._params.get("instructions"):
-            system += "\n\n" + extra
-        prompt = model.render_chat([{"role": "system", "content": system}, {"role": "user", "content": text}])
-        ensure_fits(model, prompt, text, self._params["max_tokens"])
-        return [EngineRequest(prompt, self.sampling())]
+        return [self.instructed_request(model, f"{INSTRUCTIONS}\n\n{shape}", text)]
 
     def result(self, doc: Document, outputs: list[RequestOutput]) -> DocumentResult:
         out = one_output(outputs)

@@ -6,13 +6,11 @@ from typing import TYPE_CHECKING, Any
 
 from jobs.base import (
     Document,
-    DocumentError,
     DocumentResult,
     EngineRequest,
     JobKind,
     ModelInfo,
     decode_text,
-    ensure_fits,
     one_output,
     usage_of,
 )
@@ -41,15 +39,7 @@ class Summarize(JobKind):
         return parsed
 
     def requests(self, doc: Document, model: ModelInfo) -> list[EngineRequest]:
-        text = decode_text(doc)
-        if not text.strip():
-            raise DocumentError("document is empty")
-        system = INSTRUCTIONS
-        if extra := self._params.get("instructions"):
-            system += "\n\n" + extra
-        prompt = model.render_chat([{"role": "system", "content": system}, {"role": "user", "content": text}])
-        ensure_fits(model, prompt, text, self._params["max_tokens"])
-        return [EngineRequest(prompt, self.sampling())]
+        return [self.instructed_request(model, INSTRUCTIONS, decode_text(doc))]
 
     def result(self, doc: Document, outputs: list[RequestOutput]) -> DocumentResult:
         out = one_output(outputs)

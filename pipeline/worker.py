@@ -69,6 +69,8 @@ class WorkerRuntime:
         self._active = 0
         self._active_lock = threading.Lock()
         self._engine_seconds = threading.local()  # time inside engine.generate, per shard thread
+        # (job, digest of manifest + signature + client key) -> verified manifest and its document hashes
+        self._verified: dict[tuple[str, str], tuple[dict, dict[str, str]]] = {}
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
 
@@ -114,7 +116,7 @@ class WorkerRuntime:
             if job is None or job.status not in store.ACTIVE_JOB:
                 return
             try:
-                manifest, client_x25519 = self._verify(s, job)
+                manifest, hashes, client_x25519 = self._verify(s, job)
             except JobRejected as exc:
                 reason = str(exc)
             else:
@@ -144,7 +146,6 @@ class WorkerRuntime:
             with self.db.transaction() as s:
                 store.fail_job(s, job_id, f"invalid job parameters: {exc}", self.worker_id)
             return
-        hashes = {d["id"]: d["sha256"] for d in manifest["documents"]}
         outcomes = [
             (item, result) for item, result in self._run(job_id, kind, work, hashes) if result is not None
         ]
@@ -177,13 +178,28 @@ class WorkerRuntime:
             getattr(self._engine_seconds, "value", 0.0),
         )
 
-    def _verify(self, session, job: Job) -> tuple[dict, bytes]:
-        """Check the allow-list and the manifest signature before anything is opened."""
+    def _verify(self, session, job: Job) -> tuple[dict, dict[str, str], bytes]:
+        """Check the allow-list and the manifest signature before anything is opened.
+
+        The allow-list is read for every shard (revocation takes effect at once); the signature and the
+        document set are checked once per job and manifest in this process, not once per shard.
+        """
         client = session.get(Client, job.client_fingerprint)
         if client is None:
             raise JobRejected(f"client {job.client_fingerprint[:16]} is not on the allow-list")
         if client.revoked_at is not None:
             raise JobRejected(f"client {job.client_fingerprint[:16]} was revoked")
+        key = (job.id, envelope.sha256_hex(job.manifest.encode() + job.signature + client.ed25519_public))
+        verified = self._verified.get(key)
+        if verified is None:
+            manifest = self._verify_manifest(session, job, client)
+            verified = (manifest, {d["id"]: d["sha256"] for d in manifest["documents"]})
+            if len(self._verified) > 1024:
+                self._verified.clear()
+            self._verified[key] = verified
+        return (*verified, client.x25519_public)
+
+    def _verify_manifest(self, session, job: Job, client: Client) -> dict:
         public = keys.PublicIdentity(x25519=client.x25519_public, ed25519=client.ed25519_public)
         try:
             manifest = envelope.verify_manifest(job.manifest, job.signature, public)
@@ -198,7 +214,7 @@ class WorkerRuntime:
         ids = {d.id for d in session.query(Document.id).filter(Document.job_id == job.id)}
         if ids != {d["id"] for d in manifest["documents"]}:
             raise JobRejected("the job's documents differ from the signed manifest")
-        return manifest, client.x25519_public
+        return manifest
 
     def _open(self, job_id: str, item: Leased, hashes: dict[str, str]) -> OpenedDocument:
         if item.sealed is None:
