@@ -1,7 +1,9 @@
-"""Per-sequence state of a running batch: DeltaNet conv/recurrent state and a KV cache per attention layer.
+"""The model's cached state on the device: DeltaNet state slots and a paged KV pool per attention layer.
 
-Each sequence owns one slot. This is the simple static layout (contiguous KV per slot, grown on demand);
-the serving core replaces the KV part with a paged pool behind the same per-layer views.
+A *slot* holds, for every Gated DeltaNet layer, the conv window [C, K-1] and the fp32 recurrent state
+[Hv, dk, dv] of one sequence. A *block* holds `block_size` positions of keys and values for every
+full-attention layer (and the MTP head's attention layers, which share the block tables). Which slot and
+blocks a sequence owns is decided by the allocators (engine/allocator.py); this file only holds tensors.
 """
 
 from __future__ import annotations
@@ -22,74 +24,103 @@ class LinearState:
 
 
 @dataclass
-class KVState:
-    """Keys and values of one full-attention layer for every slot."""
+class PagedKV:
+    """Keys and values of one attention layer, in blocks of positions."""
 
-    k: torch.Tensor  # [S, Hkv, L, D]
-    v: torch.Tensor  # [S, Hkv, L, D]
+    k: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v: torch.Tensor  # [num_blocks, block_size, Hkv, D]
 
 
-class StateCache:
-    """All layers' state for `num_slots` sequences of up to `capacity` tokens (grown with `reserve`)."""
+def slot_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one slot over all DeltaNet layers."""
+    c = config
+    conv = c.linear_conv_dim * (c.linear_conv_kernel_dim - 1) * dtype.itemsize
+    rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    return c.layer_types.count("linear_attention") * (conv + rec)
+
+
+def block_bytes(config: ModelConfig, dtype: torch.dtype, block_size: int, num_mtp_layers: int) -> int:
+    """Bytes of one KV block over all attention layers, the MTP head's included."""
+    layers = config.layer_types.count("full_attention") + num_mtp_layers
+    return layers * 2 * block_size * config.num_key_value_heads * config.head_dim * dtype.itemsize
+
+
+class ModelCache:
+    """`num_slots` DeltaNet state slots and `num_blocks` KV blocks of `block_size` positions, preallocated."""
 
     def __init__(
         self,
         config: ModelConfig,
         num_slots: int,
-        capacity: int,
+        num_blocks: int,
+        block_size: int,
         device: torch.device | str,
         dtype: torch.dtype,
         num_mtp_layers: int = 0,
     ) -> None:
         self.config = config
         self.num_slots = num_slots
-        self.capacity = capacity
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
-        self.layers: dict[int, LinearState | KVState] = {}
-        for i, kind in enumerate(config.layer_types):
-            self.layers[i] = self._linear() if kind == "linear_attention" else self._kv(capacity)
-        self.mtp_layers = [self._kv(capacity) for _ in range(num_mtp_layers)]
+        self.layers: dict[int, LinearState | PagedKV] = {
+            i: self._linear() if kind == "linear_attention" else self._kv()
+            for i, kind in enumerate(config.layer_types)
+        }
+        self.mtp_layers = [self._kv() for _ in range(num_mtp_layers)]
 
     def _linear(self) -> LinearState:
         c = self.config
-        conv = torch.zeros(
-            self.num_slots,
-            c.linear_conv_dim,
-            c.linear_conv_kernel_dim - 1,
-            device=self.device,
-            dtype=self.dtype,
+        conv = (self.num_slots, c.linear_conv_dim, c.linear_conv_kernel_dim - 1)
+        rec = (self.num_slots, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        return LinearState(
+            torch.empty(conv, device=self.device, dtype=self.dtype),
+            torch.empty(rec, device=self.device, dtype=torch.float32),
         )
-        rec = torch.zeros(
-            self.num_slots,
-            c.linear_num_value_heads,
-            c.linear_key_head_dim,
-            c.linear_value_head_dim,
-            device=self.device,
-            dtype=torch.float32,
-        )
-        return LinearState(conv, rec)
 
-    def _kv(self, capacity: int) -> KVState:
+    def _kv(self) -> PagedKV:
         c = self.config
-        shape = (self.num_slots, c.num_key_value_heads, capacity, c.head_dim)
-        return KVState(
-            torch.zeros(shape, device=self.device, dtype=self.dtype),
-            torch.zeros(shape, device=self.device, dtype=self.dtype),
+        shape = (self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        return PagedKV(
+            torch.empty(shape, device=self.device, dtype=self.dtype),
+            torch.empty(shape, device=self.device, dtype=self.dtype),
         )
 
-    def reserve(self, length: int) -> None:
-        """Make room for sequences of `length` tokens, doubling the KV length when it grows."""
-        if length <= self.capacity:
-            return
-        new = max(length, 2 * self.capacity)
-        for kv in [*self.kv_states(), *self.mtp_layers]:
-            for name in ("k", "v"):
-                old = getattr(kv, name)
-                grown = torch.zeros(*old.shape[:2], new, old.shape[3], device=old.device, dtype=old.dtype)
-                grown[:, :, : old.shape[2]] = old
-                setattr(kv, name, grown)
-        self.capacity = new
+    def linear_states(self) -> list[LinearState]:
+        return [s for s in self.layers.values() if isinstance(s, LinearState)]
 
-    def kv_states(self) -> list[KVState]:
-        return [s for s in self.layers.values() if isinstance(s, KVState)]
+    def kv_states(self) -> list[PagedKV]:
+        return [s for s in self.layers.values() if isinstance(s, PagedKV)] + self.mtp_layers
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy the DeltaNet state of slots `src` into slots `dst` (pairwise), in every layer."""
+        if not src:
+            return
+        s = torch.tensor(src, device=self.device)
+        d = torch.tensor(dst, device=self.device)
+        for state in self.linear_states():
+            state.conv[d] = state.conv[s]
+            state.recurrent[d] = state.recurrent[s]
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy KV blocks `src` into `dst` (pairwise), in every attention layer."""
+        if not src:
+            return
+        s = torch.tensor(src, device=self.device)
+        d = torch.tensor(dst, device=self.device)
+        for kv in self.kv_states():
+            kv.k[d] = kv.k[s]
+            kv.v[d] = kv.v[s]
+
+    def tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for s in self.linear_states():
+            out += [s.conv, s.recurrent]
+        for kv in self.kv_states():
+            out += [kv.k, kv.v]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.config import ModelConfig, load_config
+from engine.core import EngineCore, StepFailed
 from engine.errors import EngineError, RequestError
 from engine.loader import load_model
 from engine.model.model import CausalLM
-from engine.outputs import RequestOutput
-from engine.runner import StaticBatchRunner
+from engine.outputs import EngineStats, RequestOutput
+from engine.planner import memory_budget, plan_cache
+from engine.runner import Drafter
 from engine.sampling import SamplingParams
-from engine.sequence import Sequence
+from engine.sequence import PrefixSpec, Sequence
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -31,13 +36,15 @@ _DTYPES = {
 }
 
 Prompt = str | list[int]
+MAX_SPECULATIVE_TOKENS = 4
 
 
 class Engine:
-    """A loaded model with its tokenizer.
+    """A loaded model with its tokenizer, served by one background loop.
 
-    `generate` runs a list of prompts (text or token ids) together, sharing each forward pass, and returns
-    one `RequestOutput` per prompt in order.
+    `submit` queues one prompt and returns a `concurrent.futures.Future` of its `RequestOutput`; it is
+    thread-safe, so many threads feed one continuously batched loop. `generate` submits a list of prompts
+    and waits for all of them, returning outputs in order.
     """
 
     def __init__(
@@ -47,18 +54,73 @@ class Engine:
         tokenizer: Tokenizer | None,
         device: torch.device,
         dtype: torch.dtype,
+        *,
         max_num_seqs: int = 64,
-        prefill_chunk: int = 8192,
+        max_num_batched_tokens: int = 8192,
+        num_speculative_tokens: int = 0,
+        max_model_len: int | None = None,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        block_size: int = 16,
+        max_prefixes: int = 4,
+        drafter: Drafter | None = None,
     ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or block_size < 1 or max_prefixes < 0:
+            raise EngineError(
+                "max_num_seqs, max_num_batched_tokens and block_size must be at least 1, max_prefixes >= 0"
+            )
+        if not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise EngineError(f"num_speculative_tokens must be 0..{MAX_SPECULATIVE_TOKENS}")
+        if num_speculative_tokens and model.mtp is None and drafter is None:
+            raise EngineError(
+                "num_speculative_tokens needs an MTP head, and this checkpoint has none (no mtp.* tensors)"
+            )
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
         self.device = device
         self.dtype = dtype
         self.max_num_seqs = max_num_seqs
-        self.runner = StaticBatchRunner(model, device, dtype, prefill_chunk=prefill_chunk)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = min(max_model_len or config.max_model_len, config.max_model_len)
         eos = set(config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.eos_token_ids = frozenset(eos)
+        num_mtp = len(model.mtp.layers) if model.mtp is not None and num_speculative_tokens else 0
+        budget = memory_budget(
+            device,
+            config,
+            dtype,
+            max_num_batched_tokens=max_num_batched_tokens,
+            logit_rows=max_num_seqs * (1 + num_speculative_tokens),
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory=kv_cache_memory,
+        )
+        self.plan = plan_cache(
+            config,
+            dtype,
+            budget,
+            max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len,
+            num_speculative_tokens=num_speculative_tokens,
+            num_mtp_layers=num_mtp,
+            block_size=block_size,
+            max_prefixes=max_prefixes,
+        )
+        self.core = EngineCore(
+            model,
+            self.plan,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_speculative_tokens=num_speculative_tokens,
+            max_prefixes=max_prefixes,
+            drafter=drafter,
+        )
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[Sequence, Future]] = []
+        self._futures: dict[int, Future] = {}
+        self._arrivals = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
 
     @classmethod
     def from_pretrained(
@@ -66,26 +128,48 @@ class Engine:
         path: str | Path,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
-        max_num_seqs: int = 64,
-        prefill_chunk: int = 8192,
+        **options: Any,
     ) -> Engine:
         """Load the checkpoint directory `path` (config.json, safetensors, optional tokenizer files).
 
         `device` defaults to CUDA when available, else CPU; `dtype` to bfloat16 on CUDA, else float32.
+        `options` are the serving settings of `Engine.__init__`: max_num_seqs, max_num_batched_tokens,
+        num_speculative_tokens, max_model_len, kv_cache_memory (bytes), gpu_memory_utilization,
+        block_size, max_prefixes.
         """
         device = _device(device)
         dtype = _dtype(dtype, device)
-        if max_num_seqs < 1 or prefill_chunk < 1:
-            raise EngineError("max_num_seqs and prefill_chunk must be at least 1")
         config = load_config(path)
         tokenizer = Tokenizer.from_dir(path)
         model = load_model(path, config, device, dtype)
         log.info("loaded %s (%s) on %s as %s", path, config.model_type, device, dtype)
-        return cls(model, config, tokenizer, device, dtype, max_num_seqs, prefill_chunk)
+        return cls(model, config, tokenizer, device, dtype, **options)
 
     @property
     def has_mtp(self) -> bool:
         return self.model.mtp is not None
+
+    # ---- requests
+
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        prefix: Prompt | None = None,
+        *,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+    ) -> Future:
+        """Queue one request; the future's result is its `RequestOutput`.
+
+        `prefix`, text or token ids the prompt starts with (a job's instructions), is computed once and
+        shared by every request naming it; the output is the same as without it. Lower `priority` values
+        are served first. Invalid requests raise `RequestError` here, not in the future.
+        """
+        if self._closed:
+            raise EngineError("the engine is closed")
+        seq = self._sequence(0, prompt, sampling or SamplingParams(), add_special_tokens, priority, prefix)
+        return self._enqueue([seq])[0]
 
     def generate(
         self,
@@ -105,9 +189,79 @@ class Engine:
             self._sequence(i, p, sp, add_special_tokens)
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
         ]
-        for start in range(0, len(seqs), self.max_num_seqs):
-            self.runner.run(seqs[start : start + self.max_num_seqs])
-        return [s.to_output() for s in seqs]
+        return [f.result() for f in self._enqueue(seqs)]
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the loop's counters (read without stopping it, so approximate while busy)."""
+        return self.core.stats()
+
+    def close(self) -> None:
+        """Stop the loop; requests not finished fail with EngineError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- the loop
+
+    def _enqueue(self, seqs: list[Sequence]) -> list[Future]:
+        futures = [Future() for _ in seqs]
+        with self._cond:
+            for seq, future in zip(seqs, futures, strict=True):
+                seq.arrival = next(self._arrivals)
+                future.set_running_or_notify_cancel()
+                self._inbox.append((seq, future))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="enclave-engine", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return futures
+
+    def _loop(self) -> None:
+        # Only this thread touches the core; the lock guards the inbox, so submit() never waits for a step.
+        while True:
+            with self._cond:
+                while not self._inbox and not self.core.has_work() and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    self._fail_all(EngineError("the engine was closed before this request finished"))
+                    return
+                arrived, self._inbox = self._inbox, []
+            for seq, future in arrived:
+                self._futures[id(seq)] = future
+                self.core.add(seq)
+            try:
+                finished = self.core.step()
+            except StepFailed as exc:
+                log.exception("engine step failed")
+                for seq in exc.seqs:
+                    self._futures.pop(id(seq)).set_exception(exc.cause)
+                continue
+            except Exception as exc:  # a bug outside the model: fail everything rather than hang
+                log.exception("engine loop failed")
+                with self._cond:
+                    self._fail_all(exc)
+                continue
+            for seq in finished:
+                self._futures.pop(id(seq)).set_result(seq.to_output())
+
+    def _fail_all(self, exc: BaseException) -> None:
+        pending = [s for s, _ in self._inbox] + self.core.scheduler.waiting + self.core.scheduler.running
+        for seq in pending:
+            if seq.compute_target is None:
+                self.core.abort(seq)
+        for future in list(self._futures.values()) + [f for _, f in self._inbox]:
+            if not future.done():
+                future.set_exception(exc)
+        self._futures.clear()
+        self._inbox.clear()
 
     def chat(
         self,
@@ -140,19 +294,20 @@ class Engine:
         return sampling
 
     def _sequence(
-        self, index: int, prompt: Prompt, params: SamplingParams, add_special_tokens: bool
+        self,
+        index: int,
+        prompt: Prompt,
+        params: SamplingParams,
+        add_special_tokens: bool,
+        priority: int = 0,
+        prefix: Prompt | None = None,
     ) -> Sequence:
-        text = None
-        if isinstance(prompt, str):
-            text = prompt
-            tokenizer = self._require_tokenizer("text prompts")
-            ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        elif isinstance(prompt, list | tuple) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            ids = list(prompt)
-        else:
-            raise RequestError(f"prompt {index} must be a string or a list of token ids")
+        if not isinstance(params, SamplingParams):
+            raise RequestError("sampling must be a SamplingParams")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise RequestError(f"priority must be an integer, got {priority!r}")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self._token_ids(index, prompt, add_special_tokens)
         vocab = self.config.vocab_size
         if not ids:
             raise RequestError(f"prompt {index} is empty")
@@ -160,9 +315,13 @@ class Engine:
             raise RequestError(
                 f"prompt {index} has token id {bad[0]} outside the vocabulary (0..{vocab - 1})"
             )
-        if len(ids) >= self.config.max_model_len:
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt {index} has {len(ids)} tokens; the context is {self.max_model_len}")
+        blocks = -(-(len(ids) + 1 + 2 * self.num_speculative_tokens) // self.plan.block_size)
+        if blocks > self.plan.num_blocks:
             raise RequestError(
-                f"prompt {index} has {len(ids)} tokens; the model's context is {self.config.max_model_len}"
+                f"prompt {index} has {len(ids)} tokens, more than the KV cache holds "
+                f"({self.plan.num_blocks * self.plan.block_size} positions); raise the cache memory"
             )
         if params.stop_strings:
             self._require_tokenizer("stop strings")
@@ -170,8 +329,41 @@ class Engine:
             raise RequestError(f"stop token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         return Sequence(
-            index, ids, params, text, stop_ids, self.tokenizer, self.config.max_model_len, self.device
+            index,
+            ids,
+            params,
+            text,
+            stop_ids,
+            self.tokenizer,
+            self.max_model_len,
+            self.device,
+            priority=priority,
+            prefix=self._prefix(prefix, ids, add_special_tokens),
         )
+
+    def _token_ids(self, index: int, prompt: Prompt, add_special_tokens: bool) -> list[int]:
+        if isinstance(prompt, str):
+            tokenizer = self._require_tokenizer("text prompts")
+            return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if isinstance(prompt, list | tuple) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            return list(prompt)
+        raise RequestError(f"prompt {index} must be a string or a list of token ids")
+
+    def _prefix(self, prefix: Prompt | None, ids: list[int], add_special_tokens: bool) -> PrefixSpec | None:
+        """The shared prefix to declare, if the prompt's tokens really start with the prefix's.
+
+        Text is tokenised on its own, so a prefix whose last token merges with what follows it in the
+        prompt does not match; the request then runs without sharing (same output, more compute).
+        """
+        if prefix is None or self.plan.num_slots <= self.max_num_seqs:
+            return None
+        key = self._token_ids(0, prefix, add_special_tokens)
+        if len(key) < 2 or len(key) > len(ids) or ids[: len(key)] != key:
+            log.debug("prefix of %d tokens is not a token prefix of the prompt; not shared", len(key))
+            return None
+        return PrefixSpec(tuple(key))
 
     def _require_tokenizer(self, what: str) -> Tokenizer:
         if self.tokenizer is None:

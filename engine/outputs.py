@@ -6,6 +6,58 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class RequestMetrics:
+    """Timings (time.monotonic seconds) and counts of one request."""
+
+    prompt_tokens: int
+    arrival_time: float
+    generated_tokens: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    cached_prefix_tokens: int = 0  # prompt tokens taken from a shared prefix instead of computed
+    num_preemptions: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # drafts accepted at each verify step
+    num_draft_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first over the time after the first token."""
+        if self.first_token_time is None or self.finish_time is None or self.generated_tokens < 2:
+            return None
+        spent = self.finish_time - self.first_token_time
+        return (self.generated_tokens - 1) / spent if spent > 0 else None
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(self.accepted_lengths)
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine loop, as plain data."""
+
+    steps: int
+    prompt_tokens: int  # computed (prefill) tokens since start
+    generated_tokens: int
+    tokens_per_s: float  # prefill + generated tokens over the loop's busy time
+    generated_tokens_per_s: float
+    num_running: int
+    num_waiting: int
+    slots_used: int
+    slots_total: int
+    blocks_used: int
+    blocks_total: int
+    prefix_entries: int
+    num_preemptions: int
+    draft_tokens: int
+    accepted_tokens: int
+
+
+@dataclass
 class RequestOutput:
     """One request's result.
 
@@ -22,6 +74,7 @@ class RequestOutput:
     finish_reason: str
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
+    metrics: RequestMetrics | None = None
     prompt_token_count: int = field(init=False)
 
     def __post_init__(self) -> None:

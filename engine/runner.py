@@ -1,80 +1,227 @@
-"""Run the model over a static batch of sequences: chunked prefill, then one token per step until done."""
+"""Run one scheduled step on the model: a flat token batch, sampling, draft verification, new drafts.
+
+Prefill chunks, decodes and MTP verify steps share one forward pass. For each sequence that reaches the
+end of its known tokens the runner samples (or verifies its drafts and commits the DeltaNet state of the
+accepted length), appends the new tokens to the sequence, and, with speculation on, runs the MTP head over
+the step's positions (filling its KV cache) and drafts the next `k` tokens.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from engine.cache import StateCache
+from engine.cache import ModelCache
 from engine.kernels import SeqLayout
 from engine.model.model import CausalLM
-from engine.sampler import sample
+from engine.planner import CachePlan
+from engine.sampler import filtered_probs, logprob_entries
+from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
+from engine.speculative import accept_greedy, accept_sampled
+
+# A test or benchmark may replace the MTP head as drafter: (sequence, how many) -> draft token ids.
+Drafter = Callable[[Sequence, int], list[int]]
 
 
-class StaticBatchRunner:
-    """Generates a fixed group of sequences together, each in its own cache slot.
+@dataclass
+class StepResult:
+    accepted: list[int]  # drafts accepted, per scheduled sequence
+    num_generated: int  # tokens appended to sequences
 
-    Prompts are prefilled in rounds of at most `prefill_chunk` tokens per sequence (DeltaNet state and KV
-    carry across rounds), then every unfinished sequence decodes one token per step.
-    """
 
+class ModelRunner:
     def __init__(
-        self, model: CausalLM, device: torch.device, dtype: torch.dtype, prefill_chunk: int = 8192
+        self,
+        model: CausalLM,
+        cache: ModelCache,
+        plan: CachePlan,
+        num_speculative_tokens: int = 0,
+        drafter: Drafter | None = None,
     ) -> None:
         self.model = model
-        self.device = device
-        self.dtype = dtype
-        self.prefill_chunk = prefill_chunk
+        self.cache = cache
+        self.plan = plan
+        self.device = cache.device
+        self.k = num_speculative_tokens
+        self.drafter = drafter
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> None:
-        longest_prompt = max(len(s.prompt_ids) for s in seqs)
-        capacity = longest_prompt + min(max(s.params.max_tokens or 256 for s in seqs), 256)
-        cache = StateCache(self.model.config, len(seqs), capacity, self.device, self.dtype)
-        self._prefill(seqs, cache)
-        while running := [(slot, s) for slot, s in enumerate(seqs) if not s.finished]:
-            cache.reserve(max(s.num_tokens for _, s in running))
-            layout = SeqLayout(
-                query_lens=(1,) * len(running),
-                context_lens=tuple(s.num_tokens - 1 for _, s in running),
-                slots=tuple(slot for slot, _ in running),
-            )
-            ids = torch.tensor([s.output_ids[-1] for _, s in running], device=self.device)
-            self._step(ids, layout, cache, [s for _, s in running])
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        self.cache.copy_slots([a for a, _ in out.slot_copies], [b for _, b in out.slot_copies])
+        self.cache.copy_blocks([a for a, _ in out.block_copies], [b for _, b in out.block_copies])
+        items = out.scheduled
+        if not items:
+            return StepResult([], 0)
+        layout, ids = self._batch(items)
+        hidden = self.model(ids, layout, self.cache)
+        emit_rows = self._emit_rows(items, layout)
+        if self.k:
+            normed = self.model.final_norm(hidden)
+            logits = self.model.logits(normed[[r for rows in emit_rows for r in rows]])
+        else:
+            normed = None
+            logits = self.model.logits(self.model.final_norm(hidden[[r for rows in emit_rows for r in rows]]))
+        accepted, generated = self._emit(items, emit_rows, logits, layout)
+        if self.k:
+            self._draft(items, layout, normed, accepted)
+        return StepResult(accepted, generated)
 
-    def _prefill(self, seqs: list[Sequence], cache: StateCache) -> None:
-        done = [0] * len(seqs)
-        while pending := [i for i, s in enumerate(seqs) if done[i] < len(s.prompt_ids)]:
-            lens = [min(self.prefill_chunk, len(seqs[i].prompt_ids) - done[i]) for i in pending]
-            layout = SeqLayout(tuple(lens), tuple(done[i] for i in pending), tuple(pending))
-            ids = torch.tensor(
-                [
-                    t
-                    for i, n in zip(pending, lens, strict=True)
-                    for t in seqs[i].prompt_ids[done[i] : done[i] + n]
-                ],
-                device=self.device,
-            )
-            for i, n in zip(pending, lens, strict=True):
-                done[i] += n
-            finishing = [k for k, i in enumerate(pending) if done[i] == len(seqs[i].prompt_ids)]
-            self._step(ids, layout, cache, [seqs[pending[k]] for k in finishing], rows=finishing)
+    def _batch(self, items: list[ScheduledSeq]) -> tuple[SeqLayout, torch.Tensor]:
+        ids: list[int] = []
+        state_out: list[tuple[int, ...]] = []
+        verifying = 0
+        for item in items:
+            seq = item.seq
+            ids += seq.token_ids[item.context : item.context + item.num_new]
+            ids += item.drafts
+            if item.drafts:
+                base = self.plan.num_slots + verifying * self.k
+                verifying += 1
+                state_out.append((*range(base, base + len(item.drafts)), seq.slot))
+            else:
+                state_out.append(())
+        layout = SeqLayout(
+            tuple(i.num_tokens for i in items),
+            tuple(i.context for i in items),
+            tuple(i.seq.slot for i in items),
+            tuple(tuple(i.seq.blocks) for i in items),
+            self.cache.block_size,
+            tuple(state_out) if verifying else None,
+        )
+        return layout, torch.tensor(ids, dtype=torch.long, device=self.device)
 
-    def _step(
+    @staticmethod
+    def _emit_rows(items: list[ScheduledSeq], layout: SeqLayout) -> list[list[int]]:
+        """Flat-batch rows whose logits are needed: the last known token and each draft, if sampling."""
+        rows = []
+        for item, start in zip(items, layout.cu_seqlens, strict=False):
+            first = start + item.num_new - 1
+            rows.append(list(range(first, first + 1 + len(item.drafts))) if item.samples else [])
+        return rows
+
+    def _emit(
+        self, items: list[ScheduledSeq], emit_rows: list[list[int]], logits: torch.Tensor, layout: SeqLayout
+    ) -> tuple[list[int], int]:
+        argmax = logits.argmax(-1).tolist()
+        accepted: list[int] = []
+        commits: list[tuple[int, int]] = []
+        generated = 0
+        offset = 0
+        for index, (item, rows) in enumerate(zip(items, emit_rows, strict=True)):
+            if not rows:
+                accepted.append(0)
+                continue
+            seq, block = item.seq, slice(offset, offset + len(rows))
+            offset += len(rows)
+            drafts = list(item.drafts)
+            if seq.params.greedy:
+                tokens = accept_greedy(argmax[block], drafts)
+            elif drafts:
+                probs = torch.stack([filtered_probs(row, seq.params) for row in logits[block]])
+                draft_probs = seq.draft_probs[: len(drafts)] if seq.draft_probs is not None else None
+                if draft_probs is None:  # drafted by a fixed drafter: q is a point mass
+                    draft_probs = torch.zeros_like(probs[:-1])
+                    draft_probs[torch.arange(len(drafts)), torch.tensor(drafts)] = 1.0
+                tokens = accept_sampled(probs, draft_probs, drafts, seq.generator)
+            else:
+                probs = filtered_probs(logits[block][0], seq.params)
+                tokens = [int(torch.multinomial(probs, 1, generator=seq.generator)[0])]
+            kept = len(tokens) - 1
+            if drafts:
+                seq.metrics.accepted_lengths.append(kept)
+                seq.metrics.num_draft_tokens += len(drafts)
+                if kept < len(drafts):
+                    # The state after the last accepted input is the verify step's kept[th] position.
+                    commits.append((layout.state_out[index][kept], seq.slot))
+            lps = logprob_entries(logits[block][: len(tokens)], tokens, [seq.params.logprobs] * len(tokens))
+            for token, lp in zip(tokens, lps, strict=True):
+                seq.append(token, lp)
+                generated += 1
+                if seq.finished:
+                    break
+            accepted.append(kept)
+            seq.draft_ids, seq.draft_probs = [], None
+        self.cache.copy_slots([a for a, _ in commits], [b for _, b in commits])
+        return accepted, generated
+
+    def _draft(
         self,
-        ids: torch.Tensor,
+        items: list[ScheduledSeq],
         layout: SeqLayout,
-        cache: StateCache,
-        seqs: list[Sequence],
-        rows: list[int] | None = None,
+        normed: torch.Tensor,
+        accepted: list[int],
     ) -> None:
-        """Run the model on a flat batch; sample for `seqs`, whose last tokens are layout rows `rows`."""
-        hidden = self.model(ids, layout, cache)
-        if not seqs:
+        """Fill the MTP head's KV for this step's positions and propose the next drafts."""
+        wanting = [
+            (i, item)
+            for i, item in enumerate(items)
+            if item.samples and not item.seq.finished and self._draft_count(item.seq) > 0
+        ]
+        if self.drafter is not None:
+            for _, item in wanting:
+                item.seq.draft_ids = list(self.drafter(item.seq, self._draft_count(item.seq)))[: self.k]
             return
-        rows = list(range(layout.num_seqs)) if rows is None else rows
-        last = hidden[[layout.last_token_index[r] for r in rows]]
-        logits = self.model.logits(self.model.final_norm(last))
-        result = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        for seq, token, lp in zip(seqs, result.token_ids, result.logprobs, strict=True):
-            seq.append(token, lp)
+        if self.model.mtp is None:
+            return
+        # Position p's MTP input pairs the main model's hidden state at p with the token at p + 1.
+        next_ids = []
+        for item in items:
+            tokens = item.seq.token_ids
+            for j in range(item.num_tokens):
+                p = item.context + j + 1
+                next_ids.append(tokens[p] if p < len(tokens) else 0)  # past the accepted run: rewritten later
+        mtp_layout = SeqLayout(
+            layout.query_lens, layout.context_lens, layout.slots, layout.block_tables, layout.block_size
+        )
+        h = self.model.mtp_hidden(torch.tensor(next_ids, device=self.device), normed, mtp_layout, self.cache)
+        if not wanting:
+            return
+        rows = [layout.cu_seqlens[i] + item.num_new - 1 + accepted[i] for i, item in wanting]
+        seqs = [item.seq for _, item in wanting]
+        counts = [self._draft_count(s) for s in seqs]
+        positions = [item.context + item.num_new - 1 + accepted[i] for i, item in wanting]
+        hidden = h[rows]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for step in range(max(counts)):
+            logits = self.model.logits(hidden)
+            tokens = self._pick_drafts(seqs, logits, probs)
+            for b, t in enumerate(tokens):
+                drafts[b].append(t)
+            if step + 1 == max(counts):
+                break
+            # The next draft: the head's own output with the draft just made, one position further.
+            step_layout = SeqLayout(
+                (1,) * len(seqs),
+                tuple(p + step + 1 for p in positions),
+                tuple(s.slot for s in seqs),
+                tuple(tuple(s.blocks) for s in seqs),
+                self.cache.block_size,
+            )
+            token_ids = torch.tensor(tokens, device=self.device)
+            hidden = self.model.mtp_hidden(token_ids, hidden, step_layout, self.cache, step + 1)
+        for b, seq in enumerate(seqs):
+            seq.draft_ids = drafts[b][: counts[b]]
+            seq.draft_probs = None if seq.params.greedy else torch.stack(probs[b][: counts[b]])
+
+    def _draft_count(self, seq: Sequence) -> int:
+        """Drafts worth proposing: at most k, and fewer near max_tokens or the context limit."""
+        left = seq.max_model_len - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - len(seq.output_ids))
+        return max(0, min(self.k, left - 1))
+
+    @staticmethod
+    def _pick_drafts(
+        seqs: list[Sequence], logits: torch.Tensor, probs: list[list[torch.Tensor]]
+    ) -> list[int]:
+        tokens = logits.argmax(-1).tolist()
+        for b, seq in enumerate(seqs):
+            if not seq.params.greedy:
+                q = filtered_probs(logits[b], seq.params)
+                tokens[b] = int(torch.multinomial(q, 1, generator=seq.generator)[0])
+                probs[b].append(q)
+        return tokens

@@ -43,20 +43,28 @@ def sample(
         if not p.greedy:
             probs = filtered_probs(logits[row], p)
             tokens[row] = torch.multinomial(probs, 1, generator=generators[row])[0]
-    want = [p.logprobs for p in params if p.logprobs is not None]
     token_list = tokens.tolist()
+    return SampleResult(token_list, logprob_entries(logits, token_list, [p.logprobs for p in params]))
+
+
+def logprob_entries(
+    logits: torch.Tensor, tokens: list[int], counts: list[int | None]
+) -> list[dict[int, float] | None]:
+    """For each row of logits [N, V]: the `counts[row]` most likely tokens' log-probabilities plus the
+    chosen token's, or None where no log-probabilities were asked for."""
+    want = [k for k in counts if k is not None]
     if not want:
-        return SampleResult(token_list, [None] * len(params))
+        return [None] * len(counts)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     top = torch.topk(logprobs, max(max(want), 1), dim=-1)
-    chosen = logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
     top_values, top_ids = top.values.tolist(), top.indices.tolist()
     out: list[dict[int, float] | None] = []
-    for row, p in enumerate(params):
-        if p.logprobs is None:
+    for row, k in enumerate(counts):
+        if k is None:
             out.append(None)
             continue
-        entry = dict(zip(top_ids[row][: p.logprobs], top_values[row][: p.logprobs], strict=True))
-        entry.setdefault(token_list[row], chosen[row])
+        entry = dict(zip(top_ids[row][:k], top_values[row][:k], strict=True))
+        entry.setdefault(tokens[row], chosen[row])
         out.append(entry)
-    return SampleResult(token_list, out)
+    return out

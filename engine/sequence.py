@@ -1,17 +1,37 @@
-"""A request while it generates: its tokens so far and the stop checks after each new one."""
+"""A request while it generates: its tokens so far, where its state lives, and the stop checks."""
 
 from __future__ import annotations
 
 import secrets
+import time
+from dataclasses import dataclass
 
 import torch
 
-from engine.outputs import RequestOutput
+from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 
 
+@dataclass(frozen=True)
+class PrefixSpec:
+    """The first `len(token_ids)` prompt tokens are a prefix other requests share (cached once)."""
+
+    key: tuple[int, ...]
+
+    @property
+    def length(self) -> int:
+        return len(self.key)
+
+
 class Sequence:
+    """One request inside the engine.
+
+    `token_ids` is prompt + output so far; `num_computed` of them are in the cache (slot `slot`, KV
+    blocks `blocks`). A step computes `token_ids[num_computed:]` (or a chunk of it) plus any `draft_ids`
+    the MTP head proposed; when it reaches the end, the next token is sampled.
+    """
+
     def __init__(
         self,
         index: int,
@@ -22,11 +42,27 @@ class Sequence:
         tokenizer: Tokenizer | None,
         max_model_len: int,
         device: torch.device,
+        priority: int = 0,
+        prefix: PrefixSpec | None = None,
+        arrival: int = 0,
     ) -> None:
         self.index = index
+        self.device = device
         self.prompt = prompt
         self.prompt_ids = prompt_ids
+        self.token_ids = list(prompt_ids)
         self.params = params
+        self.priority = priority
+        self.prefix = prefix
+        self.arrival = arrival  # submission order, ties broken by it
+        self.num_computed = 0
+        self.slot: int | None = None
+        self.blocks: list[int] = []
+        self.draft_ids: list[int] = []
+        self.draft_probs: torch.Tensor | None = None  # [len(draft_ids), V] for sampled requests
+        self.num_preemptions = 0
+        self.compute_target: int | None = None  # a prefix fill stops computing here and never samples
+        self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids), arrival_time=time.monotonic())
         self.stop_ids = stop_ids
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -44,11 +80,24 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Lower runs first: the request's priority, then its arrival."""
+        return (self.priority, self.arrival)
+
+    @property
+    def target(self) -> int:
+        """Tokens to have in the cache before the next sample (all known tokens, or the prefix fill's)."""
+        return self.num_tokens if self.compute_target is None else self.compute_target
 
     def append(self, token: int, logprobs: dict[int, float] | None) -> None:
         """Record a generated token and decide whether the request is done."""
+        if not self.output_ids:
+            self.metrics.first_token_time = time.monotonic()
         self.output_ids.append(token)
+        self.token_ids.append(token)
         if logprobs is not None:
             self.logprobs.append(logprobs)
         if token in self.stop_ids:
@@ -59,6 +108,31 @@ class Sequence:
             self.params.max_tokens or self.max_model_len
         ):
             self._finish("length", None)
+
+    def force_finish(self, reason: str) -> None:
+        """End the request now (the engine could not continue it), keeping what it generated."""
+        if not self.finished:
+            self.finish_reason, self.stop_reason = reason, None
+            self.text = self._decode(self.output_ids)
+
+    def prefix_filler(self) -> Sequence:
+        """An internal sequence that computes this request's shared prefix (all but its last token)."""
+        assert self.prefix is not None
+        filler = Sequence(
+            -1,
+            list(self.prefix.key),
+            self.params,
+            None,
+            set(),
+            None,
+            self.max_model_len,
+            self.device,
+            priority=self.priority,
+            prefix=self.prefix,
+            arrival=self.arrival,
+        )
+        filler.compute_target = self.prefix.length - 1
+        return filler
 
     def _hit_stop_string(self) -> bool:
         text = self._decode(self.output_ids)
@@ -84,6 +158,10 @@ class Sequence:
         return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def to_output(self) -> RequestOutput:
+        m = self.metrics
+        m.generated_tokens = len(self.output_ids)
+        m.finish_time = m.finish_time or time.monotonic()
+        m.num_preemptions = self.num_preemptions
         return RequestOutput(
             index=self.index,
             prompt=self.prompt,
@@ -93,4 +171,5 @@ class Sequence:
             finish_reason=self.finish_reason or "length",
             stop_reason=self.stop_reason,
             logprobs=self.logprobs if self.params.logprobs is not None else None,
+            metrics=m,
         )

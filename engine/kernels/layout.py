@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
+
+# A sequence whose step adds at most this many tokens goes through the batched short path of the
+# reference kernels (decode, MTP verify); longer ones are handled one sequence at a time.
+SHORT_QUERY = 8
 
 
 @dataclass(frozen=True)
@@ -13,18 +17,39 @@ class SeqLayout:
     """Per-sequence metadata of a flat token batch.
 
     Sequence `i` owns tokens `cu_seqlens[i]:cu_seqlens[i+1]` of the batch, has `context_lens[i]` tokens
-    already in its cache (0 means it starts from empty state) and keeps its state in cache slot `slots[i]`.
+    already in its cache (0 means it starts from empty state), keeps its DeltaNet state in slot `slots[i]`
+    and its keys/values in the KV blocks `block_tables[i]` (position p lives in block
+    `block_tables[i][p // block_size]`, row `p % block_size`).
+
+    `state_out`, when given, names for a sequence one slot per new token: the DeltaNet state after that
+    token is written there (the MTP verify step keeps every position's state and commits the one the
+    accepted length picks). Where it is empty or absent, the state after the last token goes back to
+    `slots[i]`. Only short sequences (at most SHORT_QUERY new tokens) may ask for per-token states.
     """
 
     query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
     slots: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...] | None = None
+    block_size: int = 0
+    state_out: tuple[tuple[int, ...], ...] | None = None
+    _tensors: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not len(self.query_lens) == len(self.context_lens) == len(self.slots):
             raise ValueError("query_lens, context_lens and slots must have one entry per sequence")
         if any(n <= 0 for n in self.query_lens):
             raise ValueError("every sequence in a batch needs at least one new token")
+        if self.block_tables is not None:
+            if len(self.block_tables) != self.num_seqs or self.block_size <= 0:
+                raise ValueError("block_tables needs one table per sequence and a positive block_size")
+            for table, c, n in zip(self.block_tables, self.context_lens, self.query_lens, strict=True):
+                if len(table) * self.block_size < c + n:
+                    raise ValueError(f"a block table of {len(table)} blocks cannot hold {c + n} positions")
+        if self.state_out is not None and any(
+            len(s) not in (0, n) for s, n in zip(self.state_out, self.query_lens, strict=True)
+        ):
+            raise ValueError("state_out needs, per sequence, one slot per new token or none")
 
     @property
     def num_seqs(self) -> int:
@@ -51,13 +76,57 @@ class SeqLayout:
         """Index in the flat batch of each sequence's last new token."""
         return tuple(end - 1 for end in self.cu_seqlens[1:])
 
+    @cached_property
+    def short_seqs(self) -> tuple[int, ...]:
+        """Sequences adding at most SHORT_QUERY tokens (batched together by the reference kernels)."""
+        return tuple(i for i, n in enumerate(self.query_lens) if n <= SHORT_QUERY)
+
+    @cached_property
+    def long_seqs(self) -> tuple[int, ...]:
+        return tuple(i for i, n in enumerate(self.query_lens) if n > SHORT_QUERY)
+
+    def _cached(self, key, device, build) -> torch.Tensor:
+        device = torch.device(device)
+        found = self._tensors.get((key, device))
+        if found is None:
+            found = self._tensors[(key, device)] = build().to(device)
+        return found
+
     def positions(self, device: torch.device | str) -> torch.Tensor:
         """[T] position of each token within its sequence."""
-        parts = [torch.arange(c, c + n) for c, n in zip(self.context_lens, self.query_lens, strict=True)]
-        return torch.cat(parts).to(device)
+        return self._cached(
+            "positions",
+            device,
+            lambda: torch.tensor(
+                [c + j for c, n in zip(self.context_lens, self.query_lens, strict=True) for j in range(n)],
+                dtype=torch.long,
+            ),
+        )
 
     def slot_tensor(self, device: torch.device | str) -> torch.Tensor:
-        return torch.tensor(self.slots, dtype=torch.long, device=device)
+        return self._cached("slots", device, lambda: torch.tensor(self.slots, dtype=torch.long))
 
     def context_tensor(self, device: torch.device | str) -> torch.Tensor:
-        return torch.tensor(self.context_lens, dtype=torch.long, device=device)
+        return self._cached("context", device, lambda: torch.tensor(self.context_lens, dtype=torch.long))
+
+    def kv_index(self, positions: list[int], seq: int) -> list[int]:
+        """Flat row (block * block_size + offset) of each position of sequence `seq` in a paged KV pool."""
+        if self.block_tables is None:
+            raise ValueError("this layout has no block tables, so it cannot address a paged KV cache")
+        table, bs = self.block_tables[seq], self.block_size
+        return [table[p // bs] * bs + p % bs for p in positions]
+
+    def slot_mapping(self, device: torch.device | str) -> torch.Tensor:
+        """[T] flat KV row each new token is written to."""
+
+        def build():
+            rows = []
+            for i, (c, n) in enumerate(zip(self.context_lens, self.query_lens, strict=True)):
+                rows += self.kv_index(list(range(c, c + n)), i)
+            return torch.tensor(rows, dtype=torch.long)
+
+        return self._cached("slot_mapping", device, build)
+
+    def keeps_states(self, seq: int) -> bool:
+        """Sequence `seq` writes its state after every new token to `state_out[seq]`."""
+        return self.state_out is not None and bool(self.state_out[seq])

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from engine import kernels
-from engine.cache import KVState
+from engine.cache import PagedKV
 from engine.config import ModelConfig
 from engine.kernels import SeqLayout
 from engine.model.norm import RMSNorm
@@ -27,7 +27,7 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVState, layout: SeqLayout
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV, layout: SeqLayout
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         qg, k, v = self.qkv_proj(x).split(self.split, dim=-1)

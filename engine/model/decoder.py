@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from engine.cache import KVState, LinearState
+from engine.cache import LinearState, PagedKV
 from engine.config import ModelConfig
 from engine.kernels import SeqLayout
 from engine.model.attention import GatedAttention
@@ -29,7 +29,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        state: LinearState | KVState,
+        state: LinearState | PagedKV,
         layout: SeqLayout,
     ) -> torch.Tensor:
         h = self.input_layernorm(x)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine import kernels
-from engine.cache import StateCache
+from engine.cache import ModelCache
 from engine.config import ModelConfig
 from engine.kernels import SeqLayout
 from engine.model.decoder import DecoderLayer
@@ -56,7 +56,7 @@ class CausalLM(nn.Module):
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return kernels.rotary_cos_sin(positions, self.inv_freq, self.rope_scale)
 
-    def forward(self, input_ids: torch.Tensor, layout: SeqLayout, cache: StateCache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, layout: SeqLayout, cache: ModelCache) -> torch.Tensor:
         """input_ids [T] (flat, per `layout`) -> [T, H] hidden states before the final norm."""
         cos, sin = self.rotary(layout.positions(input_ids.device))
         x = self.model.embed_tokens(input_ids)
@@ -72,18 +72,32 @@ class CausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(normed, weight).float()
 
+    def mtp_hidden(
+        self,
+        next_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        layout: SeqLayout,
+        cache: ModelCache,
+        step: int = 0,
+    ) -> torch.Tensor:
+        """The MTP head's normed output [T, H] for the token after `next_ids` [T].
+
+        `hidden` [T, H] is the main model's final-normed hidden state at each position (what vLLM feeds
+        its MTP proposer), or the head's own output when drafting further ahead.
+        """
+        if self.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP head (no mtp.* tensors)")
+        cos, sin = self.rotary(layout.positions(next_ids.device))
+        kv = cache.mtp_layers[step % len(cache.mtp_layers)]
+        return self.mtp(self.model.embed_tokens(next_ids), hidden, cos, sin, kv, layout, step)
+
     def mtp_forward(
         self,
         next_ids: torch.Tensor,
         hidden: torch.Tensor,
         layout: SeqLayout,
-        cache: StateCache,
+        cache: ModelCache,
         step: int = 0,
     ) -> torch.Tensor:
-        """Draft logits [T, V] for the token after `next_ids` [T], given main-model hidden states [T, H]."""
-        if self.mtp is None:
-            raise RuntimeError("this checkpoint has no MTP head (no mtp.* tensors)")
-        cos, sin = self.rotary(layout.positions(next_ids.device))
-        kv = cache.mtp_layers[step % len(cache.mtp_layers)]
-        out = self.mtp(self.model.embed_tokens(next_ids), hidden, cos, sin, kv, layout, step)
-        return self.logits(out)
+        """Draft logits [T, V] for the token after `next_ids` [T], given hidden states [T, H]."""
+        return self.logits(self.mtp_hidden(next_ids, hidden, layout, cache, step))

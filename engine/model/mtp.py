@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from engine.cache import KVState
+from engine.cache import PagedKV
 from engine.config import ModelConfig
 from engine.kernels import SeqLayout
 from engine.model.decoder import DecoderLayer
@@ -33,7 +33,7 @@ class MTPHead(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv: KVState,
+        kv: PagedKV,
         layout: SeqLayout,
         step: int = 0,
     ) -> torch.Tensor:

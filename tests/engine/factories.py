@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from engine.kernels import SeqLayout
+
 BASE: dict[str, Any] = {
     "vocab_size": 96,
     "hidden_size": 48,
@@ -174,3 +176,29 @@ def write_fp8_copies(source: Path, fp8_dir: Path, dequant_dir: Path) -> None:
         "modules_to_not_convert": ["lm_head", "model.embed_tokens"],
     }
     (fp8_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def dense_layout(
+    query_lens: tuple[int, ...],
+    context_lens: tuple[int, ...],
+    slots: tuple[int, ...],
+    block_size: int = 4,
+    blocks_per_slot: int = 8,
+) -> SeqLayout:
+    """A layout whose sequence in slot s owns KV blocks s*blocks_per_slot .. (s+1)*blocks_per_slot - 1."""
+    tables = tuple(tuple(range(s * blocks_per_slot, (s + 1) * blocks_per_slot)) for s in slots)
+    return SeqLayout(query_lens, context_lens, slots, tables, block_size)
+
+
+def single_cache(config, capacity: int, device="cpu", dtype=torch.float32, num_mtp_layers: int = 0):
+    """A cache for one sequence in slot 0 of up to `capacity` positions, and its layout maker."""
+    from engine.cache import ModelCache
+
+    block = 16
+    blocks = -(-capacity // block)
+    cache = ModelCache(config, 1, blocks, block, device, dtype, num_mtp_layers)
+
+    def layout(n: int, context: int = 0) -> SeqLayout:
+        return SeqLayout((n,), (context,), (0,), (tuple(range(blocks)),), block)
+
+    return cache, layout

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import Engine
-from engine.cache import StateCache
-from engine.kernels import SeqLayout
+from tests.engine.factories import single_cache
 
 
 @dataclass
@@ -22,8 +21,8 @@ class Bf16Report:
 @torch.no_grad()
 def all_position_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     n = len(ids)
-    cache = StateCache(engine.config, 1, n, engine.device, engine.dtype)
-    hidden = engine.model(torch.tensor(ids, device=engine.device), SeqLayout((n,), (0,), (0,)), cache)
+    cache, layout = single_cache(engine.config, n, engine.device, engine.dtype)
+    hidden = engine.model(torch.tensor(ids, device=engine.device), layout(n), cache)
     return engine.model.logits(engine.model.final_norm(hidden)).cpu()
 
 

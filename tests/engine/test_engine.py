@@ -16,7 +16,9 @@ def test_batch_equals_one_at_a_time(demo_engine):
 
 def test_chunked_prefill_and_small_groups_equal_whole(demo_dir, demo_engine):
     whole = [o.token_ids for o in demo_engine.generate(PROMPTS, GREEDY)]
-    small = Engine.from_pretrained(demo_dir, device="cpu", dtype="float32", prefill_chunk=7, max_num_seqs=2)
+    small = Engine.from_pretrained(
+        demo_dir, device="cpu", dtype="float32", max_num_batched_tokens=7, max_num_seqs=2
+    )
     assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == whole
 
 

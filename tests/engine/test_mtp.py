@@ -12,9 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import Engine
-from engine.cache import StateCache
 from engine.kernels import SeqLayout
-from tests.engine.factories import save_text_model, text_config, widen_
+from tests.engine.factories import save_text_model, single_cache, text_config, widen_
 
 
 def add_mtp(path, seed=0):
@@ -90,10 +89,10 @@ def test_mtp_head_matches_independent_recomputation(mtp_checkpoint):
     hidden = torch.randn(t + 1, config.hidden_size, generator=g)
     expected = reference_mtp(config, head, ref, next_ids, hidden)  # [t+1, V]
 
-    cache = StateCache(engine.config, 1, 32, "cpu", torch.float32, num_mtp_layers=1)
+    cache, layout = single_cache(engine.config, 32, num_mtp_layers=1)
     # Prefill t positions, then one more position reading the cached keys and values.
-    got = engine.model.mtp_forward(next_ids[:t], hidden[:t], SeqLayout((t,), (0,), (0,)), cache)
-    step = engine.model.mtp_forward(next_ids[t:], hidden[t:], SeqLayout((1,), (t,), (0,)), cache)
+    got = engine.model.mtp_forward(next_ids[:t], hidden[:t], layout(t), cache)
+    step = engine.model.mtp_forward(next_ids[t:], hidden[t:], layout(1, t), cache)
     torch.testing.assert_close(got, expected[:t], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(step, expected[t:], rtol=1e-4, atol=1e-4)
     assert (got.argmax(-1) == expected[:t].argmax(-1)).all()

@@ -98,7 +98,7 @@ def test_reference_generate_agrees_token_for_token(tmp_path):
 def test_chunked_prefill_matches_reference(tmp_path):
     """Prompts prefilled 16 tokens at a time (state carried across rounds) still match the reference."""
     ref, _, _ = build("text-4-layers", tmp_path)
-    engine = Engine.from_pretrained(tmp_path, device="cpu", dtype="float32", prefill_chunk=16)
+    engine = Engine.from_pretrained(tmp_path, device="cpu", dtype="float32", max_num_batched_tokens=16)
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, logprobs=5))
     check_against_reference(ref, outs, PROMPTS, engine.config.vocab_size)
 

@@ -1,4 +1,4 @@
-"""Causal grouped-query attention that appends to and reads from a per-slot KV cache."""
+"""Causal grouped-query attention that appends to and reads from a paged KV cache."""
 
 import torch
 
@@ -18,12 +18,12 @@ def attention(
     layout: SeqLayout,
     scale: float,
 ) -> torch.Tensor:
-    """Write each sequence's new keys/values into its slot, then attend causally over its whole cache.
+    """Write each sequence's new keys/values into its blocks, then attend causally over all its positions.
 
     Args:
         q: [T, Hq, D] queries (rotary already applied).
         k, v: [T, Hkv, D] new keys and values; query head h reads kv head h // (Hq // Hkv).
-        k_cache, v_cache: [S, Hkv, L, D] per-slot caches with room for every position.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] paged caches; `layout.block_tables` maps positions.
         layout: where each sequence's tokens, context length and slot are.
         scale: softmax scale, usually D ** -0.5.
     Returns:

@@ -1,4 +1,4 @@
-"""Plain-torch causal GQA attention over a per-slot contiguous KV cache (torch's SDPA does the math)."""
+"""Plain-torch causal GQA attention over a paged KV cache (torch's SDPA does the math)."""
 
 import torch
 import torch.nn.functional as F
@@ -15,48 +15,69 @@ def attention(
     layout: SeqLayout,
     scale: float,
 ) -> torch.Tensor:
-    # q [T, Hq, D]; k, v [T, Hkv, D]; caches [S, Hkv, L, D]. New keys/values are written at each sequence's
-    # positions context .. context+n-1, then its queries attend causally over everything cached.
-    if layout.is_decode:
-        return _decode(q, k, v, k_cache, v_cache, layout, scale)
+    # q [T, Hq, D]; k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. New keys/values are written
+    # at each sequence's positions context .. context+n-1, then its queries attend causally over all of them.
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    k_rows, v_rows = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    written = layout.slot_mapping(q.device)
+    k_rows[written] = k.to(k_rows.dtype)
+    v_rows[written] = v.to(v_rows.dtype)
     out = torch.empty_like(q)
-    for i, (start, slot, ctx) in enumerate(
-        zip(layout.cu_seqlens, layout.slots, layout.context_lens, strict=False)
-    ):
-        n = layout.query_lens[i]
-        k_cache[slot, :, ctx : ctx + n] = k[start : start + n].transpose(0, 1).to(k_cache.dtype)
-        v_cache[slot, :, ctx : ctx + n] = v[start : start + n].transpose(0, 1).to(v_cache.dtype)
-        # 4-D [1, H, n, D]: torch's fused CPU kernel only takes the batched layout (3-D falls back to math).
-        keys = k_cache[slot, None, :, : ctx + n].to(q.dtype)  # [1, Hkv, m, D]
-        values = v_cache[slot, None, :, : ctx + n].to(q.dtype)
+    if layout.short_seqs:
+        _short(q, k_rows, v_rows, layout, scale, out)
+    for i in layout.long_seqs:
+        start, n, ctx = layout.cu_seqlens[i], layout.query_lens[i], layout.context_lens[i]
+        rows = torch.tensor(layout.kv_index(list(range(ctx + n)), i), device=q.device)
+        # 4-D [1, H, m, D]: torch's fused CPU kernel only takes the batched layout (3-D falls back to math).
+        keys = k_rows[rows].to(q.dtype).transpose(0, 1)[None]
+        values = v_rows[rows].to(q.dtype).transpose(0, 1)[None]
         query = q[start : start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
         if ctx == 0:
             o = F.scaled_dot_product_attention(
                 query, keys, values, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            # Query i sits at position ctx + i and sees keys 0 .. ctx + i.
+            # Query j sits at position ctx + j and sees keys 0 .. ctx + j.
             allowed = torch.ones(n, ctx + n, dtype=torch.bool, device=q.device).tril(ctx)
             o = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=allowed, scale=scale, enable_gqa=True
             )
-        o = o[0]
-        out[start : start + n] = o.transpose(0, 1)
+        out[start : start + n] = o[0].transpose(0, 1)
     return out
 
 
-def _decode(q, k, v, k_cache, v_cache, layout: SeqLayout, scale: float) -> torch.Tensor:
-    slots = layout.slot_tensor(q.device)
-    ctx = layout.context_tensor(q.device)
-    k_cache[slots, :, ctx] = k.to(k_cache.dtype)
-    v_cache[slots, :, ctx] = v.to(v_cache.dtype)
-    length = max(layout.context_lens) + 1
-    allowed = torch.arange(length, device=q.device)[None, :] <= ctx[:, None]  # [B, m]
-    keys = k_cache[slots, :, :length].to(q.dtype)  # [B, Hkv, m, D]
-    # Positions past a shorter sequence's end hold stale data (NaN included): zero them, since 0 * NaN = NaN.
-    values = v_cache[slots, :, :length].to(q.dtype).masked_fill(~allowed[:, None, :, None], 0.0)
-    keys = keys.masked_fill(~allowed[:, None, :, None], 0.0)
+def _short_index(layout: SeqLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the short sequences, padded to B x n and B x m: token index, KV row, query mask, key validity."""
+    seqs = layout.short_seqs
+    n_max = max(layout.query_lens[i] for i in seqs)
+    m = max(layout.context_lens[i] + layout.query_lens[i] for i in seqs)
+    tokens = torch.zeros(len(seqs), n_max, dtype=torch.long)
+    rows = torch.zeros(len(seqs), m, dtype=torch.long)
+    allowed = torch.zeros(len(seqs), n_max, m, dtype=torch.bool)
+    for b, i in enumerate(seqs):
+        n, ctx = layout.query_lens[i], layout.context_lens[i]
+        tokens[b, :n] = torch.arange(layout.cu_seqlens[i], layout.cu_seqlens[i] + n)
+        rows[b, : ctx + n] = torch.tensor(layout.kv_index(list(range(ctx + n)), i))
+        allowed[b, :n] = torch.ones(n, m, dtype=torch.bool).tril(ctx)
+        allowed[b, n:, 0] = True  # padding queries see one key so softmax stays finite; dropped below
+    valid = allowed.any(1)  # [B, m] keys some real query reads
+    return tokens, rows, allowed, valid
+
+
+def _short(q, k_rows, v_rows, layout: SeqLayout, scale: float, out: torch.Tensor) -> None:
+    """Every short sequence (decode, MTP verify) in one padded SDPA call."""
+    key = ("attention_short", q.device)
+    if key not in layout._tensors:
+        layout._tensors[key] = tuple(t.to(q.device) for t in _short_index(layout))
+    tokens, rows, allowed, valid = layout._tensors[key]
+    hidden = ~valid[:, None, :, None]
+    # Rows past a sequence's end hold stale data (NaN included): zero them, since 0 * NaN = NaN.
+    keys = k_rows[rows].to(q.dtype).transpose(1, 2).masked_fill(hidden, 0.0)  # [B, Hkv, m, D]
+    values = v_rows[rows].to(q.dtype).transpose(1, 2).masked_fill(hidden, 0.0)
+    query = q[tokens].transpose(1, 2)  # [B, Hq, n, D]
     o = F.scaled_dot_product_attention(
-        q[:, :, None, :], keys, values, attn_mask=allowed[:, None, None, :], scale=scale, enable_gqa=True
-    )
-    return o[:, :, 0]
+        query, keys, values, attn_mask=allowed[:, None], scale=scale, enable_gqa=True
+    ).transpose(1, 2)  # [B, n, Hq, D]
+    for b, i in enumerate(layout.short_seqs):
+        n, start = layout.query_lens[i], layout.cu_seqlens[i]
+        out[start : start + n] = o[b, :n]

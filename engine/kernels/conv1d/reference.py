@@ -10,15 +10,20 @@ def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, layout: SeqLayout, activation: bool = True
 ) -> torch.Tensor:
     # x [T, C]; weight [C, K]; state [S, C, K-1] holds each slot's last K-1 inputs, updated in place.
-    if layout.is_decode:
-        return _decode(x, weight, state, layout, activation)
     km1 = weight.shape[1] - 1
     out = torch.empty_like(x)
+    if layout.short_seqs:
+        _short(x, weight, state, layout, activation, out)
     w = weight.float()[:, None, :]  # [C, 1, K]
-    for i, (start, slot, ctx) in enumerate(
-        zip(layout.cu_seqlens, layout.slots, layout.context_lens, strict=False)
-    ):
-        n = layout.query_lens[i]
+    for i in layout.long_seqs:
+        if layout.keeps_states(i):
+            raise ValueError("per-position states are only kept for short (verify) steps")
+        start, n, slot, ctx = (
+            layout.cu_seqlens[i],
+            layout.query_lens[i],
+            layout.slots[i],
+            layout.context_lens[i],
+        )
         xs = x[start : start + n].float().T  # [C, n]
         prev = state[slot].float() if ctx > 0 else xs.new_zeros(xs.shape[0], km1)
         full = torch.cat((prev, xs), dim=1)  # [C, K-1+n]
@@ -28,11 +33,39 @@ def causal_conv1d(
     return out
 
 
-def _decode(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, layout: SeqLayout, activation: bool):
-    slots = layout.slot_tensor(x.device)
-    has_state = (layout.context_tensor(x.device) > 0)[:, None, None]
+def _short(x, weight, state, layout: SeqLayout, activation: bool, out: torch.Tensor) -> None:
+    """Short sequences together: each window is the slot's K-1 inputs followed by the new tokens."""
+    seqs = layout.short_seqs
+    dev = x.device
+    km1 = weight.shape[1] - 1
+    n_max = max(layout.query_lens[i] for i in seqs)
+    slots = torch.tensor([layout.slots[i] for i in seqs], device=dev)
+    has_state = torch.tensor([layout.context_lens[i] > 0 for i in seqs], device=dev)[:, None, None]
     prev = torch.where(has_state, state[slots].float(), 0.0)  # [B, C, K-1]; a fresh slot may hold garbage
-    full = torch.cat((prev, x.float()[:, :, None]), dim=2)  # [B, C, K]
-    y = (full * weight.float()[None]).sum(-1)  # [B, C]
-    state[slots] = full[:, :, 1:].to(state.dtype)
-    return (F.silu(y) if activation else y).to(x.dtype)
+    tokens = torch.tensor(
+        [[layout.cu_seqlens[i] + min(j, layout.query_lens[i] - 1) for j in range(n_max)] for i in seqs],
+        device=dev,
+    )  # [B, n]; padding repeats the last real token and is dropped
+    full = torch.cat((prev, x[tokens].float().transpose(1, 2)), dim=2)  # [B, C, K-1+n]
+    windows = full.unfold(2, km1 + 1, 1)  # [B, C, n, K]
+    y = (windows * weight.float()[None, :, None, :]).sum(-1)  # [B, C, n]
+    y = F.silu(y) if activation else y
+    live = (
+        torch.arange(n_max, device=dev)[None, :]
+        < torch.tensor([layout.query_lens[i] for i in seqs], device=dev)[:, None]
+    )  # [B, n]
+    out[tokens[live]] = y.transpose(1, 2)[live].to(out.dtype)
+    # The state after new token j is the K-1 inputs ending at it: full[:, :, j+1 : j+K].
+    after = full[:, :, 1:].unfold(2, km1, 1)[:, :, :n_max].transpose(1, 2)  # [B, n, C, K-1]
+    keep = torch.tensor([layout.keeps_states(i) for i in seqs], device=dev)
+    last = torch.tensor([layout.query_lens[i] - 1 for i in seqs], device=dev)
+    final = after[torch.arange(len(seqs), device=dev), last]
+    state[slots[~keep]] = final[~keep].to(state.dtype)
+    if keep.any():
+        targets = [
+            layout.state_out[i][j]
+            for i in seqs
+            if layout.keeps_states(i)
+            for j in range(layout.query_lens[i])
+        ]
+        state[torch.tensor(targets, device=dev)] = after[live & keep[:, None]].to(state.dtype)

@@ -33,23 +33,50 @@ def gated_delta_rule(
     qf = (l2norm(q.float()) * scale).repeat_interleave(ratio, dim=1)
     kf = l2norm(k.float()).repeat_interleave(ratio, dim=1)
     vf, gf, bf = v.float(), g.float(), beta.float()
-    if layout.is_decode:
-        slots = layout.slot_tensor(q.device)
-        has_state = (layout.context_tensor(q.device) > 0)[:, None, None, None]
-        s = torch.where(has_state, state[slots].float(), 0.0)  # a fresh slot may hold garbage
-        o, s = recurrent_step(qf, kf, vf, gf, bf, s)
-        state[slots] = s.to(state.dtype)
-        return o.to(v.dtype)
     out = torch.empty_like(v)
-    for i, (start, slot, ctx) in enumerate(
-        zip(layout.cu_seqlens, layout.slots, layout.context_lens, strict=False)
-    ):
+    if layout.short_seqs:
+        _short(qf, kf, vf, gf, bf, state, layout, out)
+    for i in layout.long_seqs:
+        if layout.keeps_states(i):
+            raise ValueError("per-position states are only kept for short (verify) steps")
+        start, slot, ctx = layout.cu_seqlens[i], layout.slots[i], layout.context_lens[i]
         sl = slice(start, start + layout.query_lens[i])
         s0 = state[slot].float() if ctx > 0 else vf.new_zeros(state.shape[1:])
         o, s = chunked(qf[sl], kf[sl], vf[sl], gf[sl], bf[sl], s0)
         out[sl] = o.to(v.dtype)
         state[slot] = s.to(state.dtype)
     return out
+
+
+def _short(q, k, v, g, beta, state, layout: SeqLayout, out: torch.Tensor) -> None:
+    """Short sequences token by token, all at once: padded to B x n, a finished sequence's state is held."""
+    seqs = layout.short_seqs
+    dev = q.device
+    n_max = max(layout.query_lens[i] for i in seqs)
+    lens = torch.tensor([layout.query_lens[i] for i in seqs], device=dev)
+    slots = torch.tensor([layout.slots[i] for i in seqs], device=dev)
+    starts = torch.tensor([layout.cu_seqlens[i] for i in seqs], device=dev)
+    has_state = torch.tensor([layout.context_lens[i] > 0 for i in seqs], device=dev)[:, None, None, None]
+    s = torch.where(has_state, state[slots].float(), 0.0)  # a fresh slot may hold garbage
+    keep = torch.tensor([layout.keeps_states(i) for i in seqs], device=dev)
+    for j in range(n_max):
+        live = j < lens  # [B]
+        idx = torch.where(live, starts + j, starts)  # padding rows re-read a real token, then are dropped
+        o, stepped = recurrent_step(q[idx], k[idx], v[idx], g[idx], beta[idx], s)
+        s = torch.where(live[:, None, None, None], stepped, s)
+        out[idx[live]] = o[live].to(out.dtype)
+        if keep.any():
+            write = live & keep
+            targets = torch.tensor(
+                [
+                    layout.state_out[i][min(j, layout.query_lens[i] - 1)] if layout.keeps_states(i) else 0
+                    for i in seqs
+                ],
+                device=dev,
+            )
+            state[targets[write]] = s[write].to(state.dtype)
+    final = ~keep
+    state[slots[final]] = s[final].to(state.dtype)
 
 
 def recurrent_step(q, k, v, g, beta, s):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from engine import kernels
 from engine.kernels import SeqLayout, dispatch
 from engine.kernels.gated_delta import reference as gd
+from tests.engine.factories import dense_layout
 
 
 def rand(*shape, seed=0):
@@ -98,17 +99,17 @@ def test_conv1d_varlen_and_decode_match_full_convolution(kernel_size):
 def test_attention_prefill_and_decode_match_dense_causal_attention():
     hq, hkv, d, lens = 6, 2, 16, (5, 9)
     q, k, v = rand(sum(lens), hq, d, seed=1), rand(sum(lens), hkv, d, seed=2), rand(sum(lens), hkv, d, seed=3)
-    kc = torch.full((2, hkv, 16, d), float("nan"))
-    vc = torch.full((2, hkv, 16, d), float("nan"))
+    kc = torch.full((16, 4, hkv, d), float("nan"))  # 16 blocks of 4 positions; slot s owns 8s .. 8s+7
+    vc = torch.full((16, 4, hkv, d), float("nan"))
     # first all but the last token of each sequence as prefill, then the last ones as one decode step
     pre = (4, 8)
     idx_pre = [*range(0, 4), *range(5, 13)]
     idx_dec = [4, 13]
     out_pre = kernels.attention(
-        q[idx_pre], k[idx_pre], v[idx_pre], kc, vc, SeqLayout(pre, (0, 0), (1, 0)), d**-0.5
+        q[idx_pre], k[idx_pre], v[idx_pre], kc, vc, dense_layout(pre, (0, 0), (1, 0)), d**-0.5
     )
     out_dec = kernels.attention(
-        q[idx_dec], k[idx_dec], v[idx_dec], kc, vc, SeqLayout((1, 1), pre, (1, 0)), d**-0.5
+        q[idx_dec], k[idx_dec], v[idx_dec], kc, vc, dense_layout((1, 1), pre, (1, 0)), d**-0.5
     )
     offset = 0
     for i, n in enumerate(lens):
@@ -183,9 +184,15 @@ def test_single_token_sequences_without_context_ignore_stale_state():
     conv_clean = kernels.causal_conv1d(x, w, torch.zeros(2, 5, 3), layout)
     conv_dirty = kernels.causal_conv1d(x, w, torch.full((2, 5, 3), float("nan")), layout)
     torch.testing.assert_close(conv_dirty, conv_clean)
-    kc, vc = torch.full((2, 1, 4, 8), float("nan")), torch.full((2, 1, 4, 8), float("nan"))
+    kc, vc = torch.full((16, 4, 1, 8), float("nan")), torch.full((16, 4, 1, 8), float("nan"))
     att = kernels.attention(
-        rand(2, 2, 8, seed=3), rand(2, 1, 8, seed=4), rand(2, 1, 8, seed=5), kc, vc, layout, 0.3
+        rand(2, 2, 8, seed=3),
+        rand(2, 1, 8, seed=4),
+        rand(2, 1, 8, seed=5),
+        kc,
+        vc,
+        dense_layout((1, 1), (0, 0), (0, 1)),
+        0.3,
     )
     torch.testing.assert_close(
         att, rand(2, 1, 8, seed=5).repeat_interleave(2, 1)

@@ -1,0 +1,113 @@
+"""The engine's step loop without threads: scheduler -> runner -> bookkeeping, one call per step."""
+
+from __future__ import annotations
+
+import time
+
+from engine.allocator import BlockAllocator, SlotAllocator
+from engine.cache import ModelCache
+from engine.model.model import CausalLM
+from engine.outputs import EngineStats
+from engine.planner import CachePlan
+from engine.runner import Drafter, ModelRunner
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+
+class StepFailed(Exception):
+    """The model raised during a step; the sequences in it were dropped and should fail with `cause`."""
+
+    def __init__(self, seqs: list[Sequence], cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.seqs = seqs
+        self.cause = cause
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: CausalLM,
+        plan: CachePlan,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        num_speculative_tokens: int = 0,
+        max_prefixes: int = 4,
+        drafter: Drafter | None = None,
+    ) -> None:
+        config = model.config
+        device = model.inv_freq.device
+        dtype = model.model.embed_tokens.weight.dtype
+        num_mtp = len(model.mtp.layers) if model.mtp is not None and num_speculative_tokens else 0
+        self.plan = plan
+        self.cache = ModelCache(
+            config, plan.total_slots, plan.num_blocks, plan.block_size, device, dtype, num_mtp
+        )
+        self.slots = SlotAllocator(plan.num_slots)
+        self.blocks = BlockAllocator(plan.num_blocks, plan.block_size)
+        self.scheduler = Scheduler(
+            self.slots,
+            self.blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_speculative_tokens=num_speculative_tokens,
+            max_prefixes=max_prefixes,
+        )
+        self.runner = ModelRunner(model, self.cache, plan, num_speculative_tokens, drafter)
+        self.steps = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.busy_s = 0.0
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.abort(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Sequence]:
+        """Run one step; return the requests that finished in it."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        try:
+            result = self.runner.execute(out)
+        except Exception as exc:
+            seqs = [item.seq for item in out.scheduled if item.seq.compute_target is None]
+            for item in out.scheduled:
+                self.scheduler.abort(item.seq)
+            raise StepFailed(seqs, exc) from exc
+        finished = self.scheduler.update(out, result.accepted)
+        self.steps += 1
+        self.prompt_tokens += sum(
+            max(0, min(i.context + i.num_new, len(i.seq.prompt_ids)) - i.context) for i in out.scheduled
+        )
+        self.generated_tokens += result.num_generated
+        self.draft_tokens += sum(len(i.drafts) for i in out.scheduled)
+        self.accepted_tokens += sum(result.accepted)
+        self.busy_s += time.perf_counter() - start
+        return finished
+
+    def stats(self) -> EngineStats:
+        busy = self.busy_s or float("inf")
+        return EngineStats(
+            steps=self.steps,
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=self.generated_tokens,
+            tokens_per_s=(self.prompt_tokens + self.generated_tokens) / busy,
+            generated_tokens_per_s=self.generated_tokens / busy,
+            num_running=self.scheduler.num_user_running,
+            num_waiting=self.scheduler.num_user_waiting,
+            slots_used=self.slots.num_slots - self.slots.num_free,
+            slots_total=self.slots.num_slots,
+            blocks_used=self.blocks.num_used,
+            blocks_total=self.blocks.num_blocks,
+            prefix_entries=len(self.scheduler.prefixes),
+            num_preemptions=self.scheduler.num_preemptions,
+            draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens,
+        )

@@ -1,0 +1,101 @@
+"""Size the state-slot pool and the KV block pool from a memory budget, once, before serving.
+
+On CUDA the budget is the free device memory after the weights are loaded, times
+`gpu_memory_utilization`, minus an estimate of the activations of one step of `max_num_batched_tokens`
+tokens. Elsewhere it is `kv_cache_memory` bytes (default 2 GiB). Slots come first (every running
+sequence needs one, plus one per cached prefix and `k` verify scratch slots per sequence); the rest
+becomes KV blocks, capped at what `max_num_seqs` sequences of the full context could use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache import block_bytes, slot_bytes
+from engine.config import ModelConfig
+from engine.errors import EngineError
+
+DEFAULT_CPU_CACHE_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    num_slots: int  # slots sequences and prefix entries are given
+    num_scratch_slots: int  # per-position states of MTP verify steps
+    num_blocks: int
+    block_size: int
+    slot_bytes: int
+    block_bytes: int
+    budget_bytes: int
+
+    @property
+    def total_slots(self) -> int:
+        return self.num_slots + self.num_scratch_slots
+
+    @property
+    def nbytes(self) -> int:
+        return self.total_slots * self.slot_bytes + self.num_blocks * self.block_bytes
+
+
+def activation_bytes(config: ModelConfig, dtype: torch.dtype, tokens: int, logit_rows: int) -> int:
+    """A generous estimate of one step's transient memory: widest projections, expert buffers, logits."""
+    c = config
+    widest = max(
+        c.linear_conv_dim + c.linear_value_dim,
+        c.num_attention_heads * 2 * c.head_dim,
+        2 * max(c.moe_intermediate_size * c.num_experts_per_tok, c.intermediate_size),
+    )
+    per_token = (8 * c.hidden_size + 4 * widest) * dtype.itemsize + c.num_experts * 8
+    return tokens * per_token + 3 * logit_rows * c.vocab_size * 4
+
+
+def memory_budget(
+    device: torch.device,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    *,
+    max_num_batched_tokens: int,
+    logit_rows: int,
+    gpu_memory_utilization: float,
+    kv_cache_memory: int | None,
+) -> int:
+    """Bytes the caches may take."""
+    if kv_cache_memory is not None:
+        return kv_cache_memory
+    if device.type != "cuda":
+        return DEFAULT_CPU_CACHE_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    reserve = total * (1.0 - gpu_memory_utilization)
+    return int(free - reserve - activation_bytes(config, dtype, max_num_batched_tokens, logit_rows))
+
+
+def plan_cache(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    budget_bytes: int,
+    *,
+    max_num_seqs: int,
+    max_model_len: int,
+    num_speculative_tokens: int = 0,
+    num_mtp_layers: int = 0,
+    block_size: int = 16,
+    max_prefixes: int = 4,
+) -> CachePlan:
+    per_slot = slot_bytes(config, dtype)
+    per_block = block_bytes(config, dtype, block_size, num_mtp_layers)
+    slots = max_num_seqs + max_prefixes
+    scratch = max_num_seqs * num_speculative_tokens
+    left = budget_bytes - (slots + scratch) * per_slot
+    # A sequence may hold 2k positions past its end: k drafts being verified and k being proposed.
+    per_seq = -(-(max_model_len + 2 * num_speculative_tokens) // block_size)
+    wanted = (max_num_seqs + max_prefixes) * per_seq
+    blocks = min(wanted, left // per_block if per_block else wanted)
+    if blocks < 2:
+        need = (slots + scratch) * per_slot + 2 * per_block
+        raise EngineError(
+            f"the cache budget of {budget_bytes / 2**20:.1f} MiB cannot hold {slots + scratch} state slots "
+            f"and KV blocks (needs at least {need / 2**20:.1f} MiB); lower max_num_seqs or raise the budget"
+        )
+    return CachePlan(slots, scratch, int(blocks), block_size, per_slot, per_block, budget_bytes)
