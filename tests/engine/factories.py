@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from engine.kernels import SeqLayout
 
@@ -202,3 +204,41 @@ def single_cache(config, capacity: int, device="cpu", dtype=torch.float32, num_m
         return SeqLayout((n,), (context,), (0,), (tuple(range(blocks)),), block)
 
     return cache, layout
+
+
+def add_mtp(path, seed=0):
+    """Append a random MTP head to a saved checkpoint, in the release layout (per-expert tensors)."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
+
+    config = text_config()
+    full = config.layer_types.index("full_attention")
+    layer = Qwen3_5MoeDecoderLayer(config, full)
+    head = torch.nn.ModuleDict(
+        {
+            "layers": torch.nn.ModuleList([layer]),
+            "fc": torch.nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False),
+            "pre_fc_norm_embedding": Qwen3_5MoeRMSNorm(config.hidden_size),
+            "pre_fc_norm_hidden": Qwen3_5MoeRMSNorm(config.hidden_size),
+            "norm": Qwen3_5MoeRMSNorm(config.hidden_size),
+        }
+    )
+    widen_(head, seed)
+    tensors = load_file(str(path / "model.safetensors"))
+    inter = config.moe_intermediate_size
+    for name, value in head.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):
+            base = "mtp." + name.removesuffix("gate_up_proj")
+            for e in range(value.shape[0]):
+                tensors[f"{base}{e}.gate_proj.weight"] = value[e, :inter].clone()
+                tensors[f"{base}{e}.up_proj.weight"] = value[e, inter:].clone()
+        elif name.endswith("experts.down_proj"):
+            base = "mtp." + name.removesuffix("down_proj")
+            for e in range(value.shape[0]):
+                tensors[f"{base}{e}.down_proj.weight"] = value[e].clone()
+        else:
+            tensors["mtp." + name] = value.clone()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+    return config, head
