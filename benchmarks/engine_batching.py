@@ -131,6 +131,7 @@ def point(args: argparse.Namespace, model_dir: str, batch: int) -> tuple[dict, d
 def run(args: argparse.Namespace, model_dir: str) -> dict:
     rows = []
     loaded: dict = {}
+    load_before = os.getloadavg()
     for batch in args.batch:
         row, loaded = point(args, model_dir, batch)
         rows.append(row)
@@ -159,6 +160,8 @@ def run(args: argparse.Namespace, model_dir: str) -> dict:
             "seed": args.seed,
             "path": "continuous batching (Engine.submit, background loop)",
         },
+        # Other work on the machine skews CPU timings: the 1-minute load average around the sweep.
+        "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
         "baseline_batch": 1 if any(r["batch"] == 1 for r in rows) else rows[0]["batch"],
         "results": rows,
     }
@@ -186,20 +189,21 @@ def print_table(result: dict) -> None:
     print(
         f"{result['machine']} | torch {result['torch']} | {c['dtype']} | commit {result['commit']} | "
         f"prompt {c['prompt_len']}, max_tokens {c['max_tokens']}, speculative {c['num_speculative_tokens']}, "
-        f"median of {c['repeats']} (min-max)"
+        f"median of {c['repeats']} (min-max) | load {result['load_average_1m']['before']:.2f}"
     )
     print(
-        f"{'batch':>5} {'wall s':>18} {'out tok/s':>22} {'total tok/s':>11} {'TTFT ms':>8} "
-        f"{'req dec tok/s':>13} {'speed-up':>8}"
+        f"{'batch':>5} {'wall s (min-max)':>20} {'out tok/s (min-max)':>22} {'total tok/s':>11} "
+        f"{'TTFT ms':>8} {'req dec tok/s':>13} {'speed-up':>8}"
     )
     for r in result["results"]:
         w, o = r["wall_s"], r["output_tokens_per_s"]
         ttft, dec = r["mean_ttft_s"], r["mean_decode_tokens_per_s"]
         ttft_text = f"{1000 * ttft['median']:>8.1f}" if ttft else f"{'-':>8}"
         dec_text = f"{dec['median']:>13.1f}" if dec else f"{'-':>13}"
+        wall_text = f"{w['median']:.3f} ({w['min']:.3f}-{w['max']:.3f})"
+        out_text = f"{o['median']:.1f} ({o['min']:.0f}-{o['max']:.0f})"
         print(
-            f"{r['batch']:>5} {w['median']:>6.3f} ({w['min']:.3f}-{w['max']:.3f}) "
-            f"{o['median']:>8.1f} ({o['min']:.0f}-{o['max']:.0f}) "
+            f"{r['batch']:>5} {wall_text:>20} {out_text:>22} "
             f"{r['total_tokens_per_s']['median']:>11.1f} {ttft_text} {dec_text} "
             f"{r['speedup_vs_batch_1']:>7.2f}x"
         )

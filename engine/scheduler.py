@@ -90,6 +90,20 @@ class Scheduler:
             self._release_prefix_user(seq)
         elif seq in self.running:
             self._finish(seq)
+        if seq.compute_target is not None:
+            self._abandon_prefix(seq.prefix.key, share=True)
+
+    def _abandon_prefix(self, key: tuple[int, ...], share: bool) -> None:
+        """Forget an entry whose filler is gone. Its waiting users queue a new filler or, when the prefix
+        cannot be cached (`share` False), compute it themselves."""
+        entry = self.prefixes.entries.get(key)
+        if entry is not None and not entry.ready:
+            self.prefixes.drop(key)
+        if not share:
+            for seq in self.waiting:
+                if seq.prefix is not None and seq.prefix.key == key:
+                    self.prefixes.remove_user(key)
+                    seq.prefix = None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -159,6 +173,13 @@ class Scheduler:
                 continue
             victims = [s for s in self.running if id(s) not in done]
             victim = victims[-1]  # the least urgent not yet scheduled; may be `seq` itself
+            if victim is seq and len(self.running) == 1 and seq.compute_target is not None:
+                # A prefix too long for the cache: give up sharing it; its requests compute it themselves.
+                log.warning("a shared prefix of %d tokens does not fit the KV cache; not shared", seq.target)
+                self.running.remove(seq)
+                self._free(seq)
+                self._abandon_prefix(seq.prefix.key, share=False)
+                return False
             if victim is seq and len(self.running) == 1:
                 # Alone and still out of room: the cache cannot hold this sequence any longer.
                 log.warning(
@@ -186,14 +207,17 @@ class Scheduler:
         self._enqueue(seq)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        for seq in list(self.waiting):
+        i = 0
+        while i < len(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
-            if seq not in self.waiting:
-                continue
+            seq = self.waiting[i]
             entry = self._prefix_entry(seq)
             if entry is not None and not entry.ready:
-                continue  # its prefix is being computed; the filler was queued ahead of it
+                if entry.filler is self.waiting[i]:
+                    continue  # just queued, right ahead of `seq`: admit the filler first
+                i += 1
+                continue  # its prefix is being computed
             if not self.slots.num_free and not self.prefixes.evict_one():
                 return
             start = entry.num_tokens if entry is not None else 0
@@ -204,7 +228,7 @@ class Scheduler:
                 pass
             if need > self.blocks.num_free or not self.slots.num_free:
                 return  # wait for room
-            self.waiting.remove(seq)
+            self.waiting.pop(i)
             seq.slot = self.slots.allocate()
             if entry is not None:
                 self.blocks.share(shared)

@@ -32,7 +32,7 @@ def accept_sampled(
     for j, token in enumerate(drafts):
         p, q = target_probs[j, token], draft_probs[j, token]
         u = torch.rand((), generator=generator, device=device)
-        if q > 0 and u * q <= p:
+        if u * q < p:  # keep with probability min(1, p/q); strict, so p = 0 is never kept
             emitted.append(token)
             continue
         residual = (target_probs[j] - draft_probs[j]).clamp_min(0.0)

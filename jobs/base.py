@@ -60,6 +60,9 @@ class EngineRequest:
     prompt: str | list[int]
     sampling: SamplingParams
     add_special_tokens: bool = False
+    # The start of `prompt` every document of the job shares (the rendered instructions): the engine
+    # computes it once and starts each document's request from a copy of its state.
+    prefix: str | None = None
 
 
 @dataclass
@@ -152,7 +155,8 @@ class JobKind(ABC):
         messages = [{"role": "system", "content": instructions}, {"role": "user", "content": text}]
         prompt = model.render_chat(messages)
         ensure_fits(model, prompt, text, self._params["max_tokens"])
-        return EngineRequest(prompt, self.sampling())
+        at = prompt.rfind(text) if text else -1
+        return EngineRequest(prompt, self.sampling(), prefix=prompt[:at] if at > 0 else None)
 
     def sampling(self) -> SamplingParams:
         """SamplingParams from the normalised parameters (max_tokens, temperature, top_p, seed)."""

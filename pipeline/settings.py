@@ -44,6 +44,9 @@ class Settings:
     device: str | None = None
     dtype: str | None = None
     limits: Limits = field(default_factory=Limits)
+    # Serving options passed to Engine.from_pretrained (max_num_seqs, max_num_batched_tokens,
+    # num_speculative_tokens, kv_cache_memory): the `[engine]` table of enclave.toml or ENCLAVE_<NAME>.
+    engine: dict[str, int] = field(default_factory=dict)
 
     @property
     def service_key_dir(self) -> Path:
@@ -66,6 +69,10 @@ _ENV = {
     "dtype": "ENCLAVE_DTYPE",
 }
 _LIMIT_ENV = {f.name: "ENCLAVE_" + f.name.upper() for f in fields(Limits)}
+_ENGINE_ENV = {
+    name: "ENCLAVE_" + name.upper()
+    for name in ("max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens", "kv_cache_memory")
+}
 
 
 def load_settings(env: dict[str, str] | None = None) -> Settings:
@@ -78,6 +85,11 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     limit_values = dict(file_values.get("limits", {}))
     limit_values |= {k: env[var] for k, var in _LIMIT_ENV.items() if env.get(var)}
     limits = Limits(**{k: _number(k, v) for k, v in limit_values.items() if k in _LIMIT_ENV})
+    engine_values = dict(file_values.get("engine", {}))
+    engine_values |= {k: env[var] for k, var in _ENGINE_ENV.items() if env.get(var)}
+    if unknown := sorted(set(engine_values) - set(_ENGINE_ENV)):
+        raise SettingsError(f"unknown [engine] setting {unknown[0]!r} (known: {', '.join(_ENGINE_ENV)})")
+    engine = {k: int(_number(k, v)) for k, v in engine_values.items()}
     return Settings(
         home=home,
         database_url=values.get("database_url") or f"sqlite:///{home / 'enclave.db'}",
@@ -86,6 +98,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         device=values.get("device"),
         dtype=values.get("dtype"),
         limits=limits,
+        engine=engine,
     )
 
 

@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from celery import Celery
@@ -65,7 +66,6 @@ class WorkerRuntime:
         self._engine: Engine | None = None
         self._model: EngineModel | None = None
         self._load_lock = threading.Lock()
-        self._generate_lock = threading.Lock()  # the static-batch engine runs one batch at a time
         self._active = 0
         self._active_lock = threading.Lock()
         self._engine_seconds = threading.local()  # time inside engine.generate, per shard thread
@@ -93,7 +93,7 @@ class WorkerRuntime:
                 path = ensure_model(self.settings)
                 start = time.perf_counter()
                 self._engine = Engine.from_pretrained(
-                    path, device=self.settings.device, dtype=self.settings.dtype
+                    path, device=self.settings.device, dtype=self.settings.dtype, **self.settings.engine
                 )
                 self._model = EngineModel(self._engine)
                 log.info("engine loaded from %s in %.1fs", path, time.perf_counter() - start)
@@ -115,6 +115,7 @@ class WorkerRuntime:
             job = s.get(Job, job_id)
             if job is None or job.status not in store.ACTIVE_JOB:
                 return
+            priority = job.priority
             try:
                 manifest, hashes, client_x25519 = self._verify(s, job)
             except JobRejected as exc:
@@ -147,7 +148,9 @@ class WorkerRuntime:
                 store.fail_job(s, job_id, f"invalid job parameters: {exc}", self.worker_id)
             return
         outcomes = [
-            (item, result) for item, result in self._run(job_id, kind, work, hashes) if result is not None
+            (item, result)
+            for item, result in self._run(job_id, kind, work, hashes, priority)
+            if result is not None
         ]
         sealed = [self._seal(job_id, item, result, client_x25519) for item, result in outcomes]
         recorded = []
@@ -233,7 +236,7 @@ class WorkerRuntime:
         return OpenedDocument(path=path, data=data)
 
     def _run(
-        self, job_id: str, kind: JobKind, work: list[Leased], hashes: dict[str, str]
+        self, job_id: str, kind: JobKind, work: list[Leased], hashes: dict[str, str], priority: int
     ) -> list[tuple[Leased, DocumentResult | None]]:
         """Each document's result; None where the lease was given back for a retry."""
         outcomes: list[tuple[Leased, DocumentResult | None]] = []
@@ -246,9 +249,13 @@ class WorkerRuntime:
                 outcomes.append((item, kind.failure(exc)))
             except Exception as exc:  # a bug or an outage: retry later, keep the reason content-free
                 outcomes.append((item, self._give_back(item, exc)))
-        for (item, doc, _), outputs in zip(ready, self._generate([r for _, _, r in ready]), strict=True):
+        generated = self._generate([r for _, _, r in ready], priority)
+        for (item, doc, _), outputs in zip(ready, generated, strict=True):
             if isinstance(outputs, DocumentError):
                 outcomes.append((item, kind.failure(outputs)))
+                continue
+            if isinstance(outputs, Exception):
+                outcomes.append((item, self._give_back(item, outputs)))
                 continue
             try:
                 outcomes.append((item, kind.result(doc, outputs)))
@@ -256,39 +263,43 @@ class WorkerRuntime:
                 outcomes.append((item, self._give_back(item, exc)))
         return outcomes
 
-    def _generate(self, batches: list[list[EngineRequest]]) -> list[list | DocumentError]:
-        """One engine batch for the whole shard; if the engine refuses it, per document, so one bad
-        document fails alone."""
-        if not batches:
-            return []
-        flat = [r for batch in batches for r in batch]
-        with self._generate_lock:
-            start = time.perf_counter()
-            try:
-                outs = self.model.engine.generate([self._prompt(r) for r in flat], [r.sampling for r in flat])
-            except EngineError:
-                return [self._generate_one(batch) for batch in batches]
-            finally:
-                self._engine_seconds.value = time.perf_counter() - start
-        results, start = [], 0
+    def _generate(self, batches: list[list[EngineRequest]], priority: int) -> list[list | Exception]:
+        """Each document's outputs, through the engine's shared loop: requests from every shard and job
+        in this process batch together. A request the engine refuses fails its document alone
+        (DocumentError); a failure inside the engine gives the document back for a retry."""
+        engine = self.model.engine
+        start = time.perf_counter()
+        pending: list[list[Future] | DocumentError] = []
         for batch in batches:
-            results.append(outs[start : start + len(batch)])
-            start += len(batch)
+            try:
+                pending.append([self._submit(engine, r, priority) for r in batch])
+            except EngineError as exc:  # invalid request: the document fails alone, with the reason
+                pending.append(DocumentError(str(exc), code="invalid_request"))
+        results: list[list | Exception] = []
+        for futures in pending:
+            if isinstance(futures, DocumentError):
+                results.append(futures)
+                continue
+            try:
+                results.append([f.result() for f in futures])
+            except EngineError as exc:
+                results.append(DocumentError(str(exc), code="invalid_request"))
+            except Exception as exc:
+                results.append(exc)
+        self._engine_seconds.value = time.perf_counter() - start
         return results
 
-    def _prompt(self, request: EngineRequest) -> str | list[int]:
-        """Token ids for text prompts, encoded as the request says (chat-rendered text adds no specials)."""
-        if isinstance(request.prompt, str):
-            return self.model.engine.tokenizer.encode(
-                request.prompt, add_special_tokens=request.add_special_tokens
-            )
-        return request.prompt
-
-    def _generate_one(self, batch: list[EngineRequest]) -> list | DocumentError:
-        try:
-            return self.model.engine.generate([self._prompt(r) for r in batch], [r.sampling for r in batch])
-        except EngineError as exc:  # the engine refused this document's request(s): a bad request
-            return DocumentError(str(exc), code="invalid_request")
+    @staticmethod
+    def _submit(engine: Engine, request: EngineRequest, priority: int) -> Future:
+        # Chat-rendered text holds its special tokens already; the job's priority 0..9 (higher first)
+        # becomes the engine's (lower first).
+        return engine.submit(
+            request.prompt,
+            request.sampling,
+            prefix=request.prefix,
+            priority=9 - priority,
+            add_special_tokens=request.add_special_tokens,
+        )
 
     def _give_back(self, item: Leased, exc: Exception) -> None:
         reason = f"internal error ({type(exc).__name__})"
