@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from pathlib import Path
@@ -37,6 +38,7 @@ _DTYPES = {
 
 Prompt = str | list[int]
 MAX_SPECULATIVE_TOKENS = 4
+_BUSY: set[Engine] = set()  # engines with requests in flight: kept alive even if their owner let go
 
 
 class Engine:
@@ -214,43 +216,47 @@ class Engine:
     def _enqueue(self, seqs: list[Sequence]) -> list[Future]:
         futures = [Future() for _ in seqs]
         with self._cond:
+            _BUSY.add(self)  # held strongly until its loop runs out of work
             for seq, future in zip(seqs, futures, strict=True):
                 seq.arrival = next(self._arrivals)
                 future.set_running_or_notify_cancel()
                 self._inbox.append((seq, future))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="enclave-engine", daemon=True)
+                self._thread = threading.Thread(
+                    target=_serve, args=(weakref.ref(self), self._cond), name="enclave-engine", daemon=True
+                )
                 self._thread.start()
             self._cond.notify_all()
         return futures
 
-    def _loop(self) -> None:
-        # Only this thread touches the core; the lock guards the inbox, so submit() never waits for a step.
-        while True:
+    def _serve_once(self) -> bool:
+        """Take new requests and run one step; False once the engine is closed. Loop thread only."""
+        with self._cond:
+            if self._closed:
+                self._fail_all(EngineError("the engine was closed before this request finished"))
+                return False
+            arrived, self._inbox = self._inbox, []
+        for seq, future in arrived:
+            self._futures[id(seq)] = future
+            self.core.add(seq)
+        try:
+            finished = self.core.step()
+        except StepFailed as exc:
+            log.exception("engine step failed")
+            for seq in exc.seqs:
+                self._futures.pop(id(seq)).set_exception(exc.cause)
+            return True
+        except Exception as exc:  # a bug outside the model: fail everything rather than hang
+            log.exception("engine loop failed")
             with self._cond:
-                while not self._inbox and not self.core.has_work() and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    self._fail_all(EngineError("the engine was closed before this request finished"))
-                    return
-                arrived, self._inbox = self._inbox, []
-            for seq, future in arrived:
-                self._futures[id(seq)] = future
-                self.core.add(seq)
-            try:
-                finished = self.core.step()
-            except StepFailed as exc:
-                log.exception("engine step failed")
-                for seq in exc.seqs:
-                    self._futures.pop(id(seq)).set_exception(exc.cause)
-                continue
-            except Exception as exc:  # a bug outside the model: fail everything rather than hang
-                log.exception("engine loop failed")
-                with self._cond:
-                    self._fail_all(exc)
-                continue
-            for seq in finished:
-                self._futures.pop(id(seq)).set_result(seq.to_output())
+                self._fail_all(exc)
+            return True
+        for seq in finished:
+            self._futures.pop(id(seq)).set_result(seq.to_output())
+        return True
+
+    def _idle(self) -> bool:
+        return not self._inbox and not self.core.has_work() and not self._closed
 
     def _fail_all(self, exc: BaseException) -> None:
         pending = [s for s, _ in self._inbox] + self.core.scheduler.waiting + self.core.scheduler.running
@@ -352,16 +358,26 @@ class Engine:
         raise RequestError(f"prompt {index} must be a string or a list of token ids")
 
     def _prefix(self, prefix: Prompt | None, ids: list[int], add_special_tokens: bool) -> PrefixSpec | None:
-        """The shared prefix to declare, if the prompt's tokens really start with the prefix's.
+        """The shared prefix to declare: token ids the prompt starts with.
 
-        Text is tokenised on its own, so a prefix whose last token merges with what follows it in the
-        prompt does not match; the request then runs without sharing (same output, more compute).
+        Token ids must be a prefix of the prompt's, or nothing is shared. Text is tokenised on its own,
+        and its last token may merge with what follows it in the prompt, so the prompt's tokens are
+        shared as far as they agree with the prefix's. Either way the output equals the unshared one.
         """
         if prefix is None or self.plan.num_slots <= self.max_num_seqs:
             return None
         key = self._token_ids(0, prefix, add_special_tokens)
-        if len(key) < 2 or len(key) > len(ids) or ids[: len(key)] != key:
-            log.debug("prefix of %d tokens is not a token prefix of the prompt; not shared", len(key))
+        if isinstance(prefix, str):
+            common = 0
+            for a, b in zip(key, ids, strict=False):
+                if a != b:
+                    break
+                common += 1
+            key = key[:common]
+        elif ids[: len(key)] != key:
+            key = []
+        if len(key) < 2:
+            log.debug("prefix is not a token prefix of the prompt; not shared")
             return None
         return PrefixSpec(tuple(key))
 
@@ -371,6 +387,25 @@ class Engine:
                 f"{what} need a tokenizer, and this checkpoint has no tokenizer.json; pass token ids"
             )
         return self.tokenizer
+
+
+def _serve(ref: weakref.ref[Engine], cond: threading.Condition) -> None:
+    """The loop thread. Only this thread touches the engine's core; the lock guards the inbox, so
+    submit() never waits for a step. While idle it holds the engine weakly, so an engine nobody uses any
+    more is collected (freeing its caches) and the thread ends."""
+    while True:
+        with cond:
+            engine = ref()
+            if engine is None:
+                return
+            if engine._idle():
+                _BUSY.discard(engine)
+                engine = None
+                cond.wait(timeout=1.0)
+                continue
+        if not engine._serve_once():
+            return
+        engine = None
 
 
 def _device(device: str | torch.device | None) -> torch.device:

@@ -66,6 +66,7 @@ def memory_budget(
         return kv_cache_memory
     if device.type != "cuda":
         return DEFAULT_CPU_CACHE_BYTES
+    torch.cuda.empty_cache()  # memory cached by torch's allocator for freed tensors counts as free here
     free, total = torch.cuda.mem_get_info(device)
     reserve = total * (1.0 - gpu_memory_utilization)
     return int(free - reserve - activation_bytes(config, dtype, max_num_batched_tokens, logit_rows))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
-from tests.engine.factories import save_text_model
+from tests.engine.factories import add_mtp, save_text_model
 from tests.engine.numerics import bf16_report
 from tests.engine.test_bf16 import check, random_prompts
 from tests.engine.test_parity import PROMPTS, check_against_reference
@@ -28,3 +28,28 @@ def test_cuda_bf16_no_less_accurate_than_reference(demo_dir, tmp_path):
     check(bf16_report(demo_dir, "cuda", random_prompts(600)))
     save_text_model(tmp_path, seed=3)
     check(bf16_report(tmp_path, "cuda", random_prompts(96)))
+
+
+def test_cuda_serving_matches_cpu(tmp_path):
+    """Continuous batching, chunked prefill, speculation and prefix sharing on CUDA give the CPU's tokens."""
+    save_text_model(tmp_path, seed=2)
+    add_mtp(tmp_path, seed=9)
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(0, 96, (21,), generator=g).tolist()
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (1, 7, 70, 33)]
+    prompts += [prefix + p for p in prompts]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    cpu = Engine.from_pretrained(tmp_path, device="cpu", dtype="float32")
+    expected = [o.token_ids for o in cpu.generate(prompts, params)]
+    memory = 1 << 30
+    for options in ({}, {"num_speculative_tokens": 3}, {"max_num_batched_tokens": 16, "max_num_seqs": 3}):
+        with Engine.from_pretrained(
+            tmp_path, device="cuda", dtype="float32", kv_cache_memory=memory, **options
+        ) as cuda:
+            futures = [
+                cuda.submit(p, params, prefix=prefix if i >= 4 else None) for i, p in enumerate(prompts)
+            ]
+            assert [f.result().token_ids for f in futures] == expected, options
+    with Engine.from_pretrained(tmp_path, device="cuda", dtype="bfloat16", num_speculative_tokens=2) as bf16:
+        assert all(len(o.token_ids) == 14 for o in bf16.generate(prompts, params))
+        assert bf16.plan.nbytes <= bf16.plan.budget_bytes
