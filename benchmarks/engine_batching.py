@@ -168,13 +168,15 @@ def run(args: argparse.Namespace, model_dir: str) -> dict:
 
 
 def _commit() -> str:
-    # The device machine gets the working tree without .git: the caller passes ENCLAVE_COMMIT there.
+    # The device machine's copy of the tree may carry a stale .git: ENCLAVE_COMMIT, when set, wins.
+    if os.environ.get("ENCLAVE_COMMIT"):
+        return os.environ["ENCLAVE_COMMIT"]
     try:
         git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         found = git.stdout.strip() if git.returncode == 0 else ""
     except OSError:
         found = ""
-    return found or os.environ.get("ENCLAVE_COMMIT", "unknown")
+    return found or "unknown"
 
 
 def _batches(text: str) -> list[int]:
