@@ -84,3 +84,25 @@ def test_chat_batch(demo_engine):
     assert completion["object"] == "text_completion" and isinstance(completion["choices"][0]["text"], str)
     assert out[2]["response"] is None and out[2]["error"]["code"] == "invalid_request"
     json.dumps(out)  # the output file is JSON
+
+
+def test_instructions_are_a_shared_prefix_that_changes_nothing(demo_engine):
+    """The worker submits each request with its rendered instructions as a shared prefix: the engine
+    computes them once for the job, and every document's output is what it would be without sharing."""
+    kind = make_kind("extract", {"fields": "age,diagnosis", "max_tokens": "6", "temperature": "0"})
+    model = EngineModel(demo_engine)
+    docs = [NOTE, "Patient 2 is 40.", "\nleading blank line", "  indented note"]
+    requests = [kind.requests(Document(f"{i}.txt", d.encode()), model)[0] for i, d in enumerate(docs)]
+    assert all(r.prefix and r.prompt.startswith(r.prefix) for r in requests)
+    assert len({r.prefix for r in requests}) == 1 and "Extract" in requests[0].prefix
+    plain = demo_engine.generate(
+        [demo_engine.tokenizer.encode(r.prompt, add_special_tokens=False) for r in requests],
+        requests[0].sampling,
+    )
+    shared = [
+        demo_engine.submit(r.prompt, r.sampling, prefix=r.prefix, add_special_tokens=False).result()
+        for r in requests
+    ]
+    assert [o.token_ids for o in shared] == [o.token_ids for o in plain]
+    prefix_tokens = len(demo_engine.tokenizer.encode(requests[0].prefix, add_special_tokens=False))
+    assert all(o.metrics.cached_prefix_tokens >= prefix_tokens - 2 for o in shared)
