@@ -34,6 +34,7 @@ class EngineCore:
         num_speculative_tokens: int = 0,
         max_prefixes: int = 4,
         drafter: Drafter | None = None,
+        mtp_hidden: str = "normed",
     ) -> None:
         config = model.config
         device = model.inv_freq.device
@@ -53,7 +54,7 @@ class EngineCore:
             num_speculative_tokens=num_speculative_tokens,
             max_prefixes=max_prefixes,
         )
-        self.runner = ModelRunner(model, self.cache, plan, num_speculative_tokens, drafter)
+        self.runner = ModelRunner(model, self.cache, plan, num_speculative_tokens, drafter, mtp_hidden)
         self.steps = 0
         self.prompt_tokens = 0
         self.generated_tokens = 0

@@ -20,7 +20,7 @@ from engine.loader import load_model
 from engine.model.model import CausalLM
 from engine.outputs import EngineStats, RequestOutput
 from engine.planner import memory_budget, plan_cache
-from engine.runner import Drafter
+from engine.runner import MTP_HIDDEN, Drafter
 from engine.sampling import SamplingParams
 from engine.sequence import PrefixSpec, Sequence
 from engine.tokenizer import Tokenizer
@@ -66,7 +66,10 @@ class Engine:
         block_size: int = 16,
         max_prefixes: int = 4,
         drafter: Drafter | None = None,
+        mtp_hidden: str = "normed",
     ) -> None:
+        if mtp_hidden not in MTP_HIDDEN:
+            raise EngineError(f"mtp_hidden must be one of {', '.join(MTP_HIDDEN)}, got {mtp_hidden!r}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or block_size < 1 or max_prefixes < 0:
             raise EngineError(
                 "max_num_seqs, max_num_batched_tokens and block_size must be at least 1, max_prefixes >= 0"
@@ -116,6 +119,7 @@ class Engine:
             num_speculative_tokens=num_speculative_tokens,
             max_prefixes=max_prefixes,
             drafter=drafter,
+            mtp_hidden=mtp_hidden,
         )
         self._cond = threading.Condition()
         self._inbox: list[tuple[Sequence, Future]] = []
@@ -137,7 +141,8 @@ class Engine:
         `device` defaults to CUDA when available, else CPU; `dtype` to bfloat16 on CUDA, else float32.
         `options` are the serving settings of `Engine.__init__`: max_num_seqs, max_num_batched_tokens,
         num_speculative_tokens, max_model_len, kv_cache_memory (bytes), gpu_memory_utilization,
-        block_size, max_prefixes.
+        block_size, max_prefixes, mtp_hidden ("normed": the MTP head reads the final-normed hidden
+        state, as vLLM feeds it; "raw": before the final norm).
         """
         device = _device(device)
         dtype = _dtype(dtype, device)

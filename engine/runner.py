@@ -24,6 +24,8 @@ from engine.speculative import accept_greedy, accept_sampled
 
 # A test or benchmark may replace the MTP head as drafter: (sequence, how many) -> draft token ids.
 Drafter = Callable[[Sequence, int], list[int]]
+# Which main-model hidden state the MTP head reads: after the final norm (vLLM's choice) or before it.
+MTP_HIDDEN = ("normed", "raw")
 
 
 @dataclass
@@ -40,7 +42,11 @@ class ModelRunner:
         plan: CachePlan,
         num_speculative_tokens: int = 0,
         drafter: Drafter | None = None,
+        mtp_hidden: str = "normed",
     ) -> None:
+        if mtp_hidden not in MTP_HIDDEN:
+            raise ValueError(f"mtp_hidden must be one of {', '.join(MTP_HIDDEN)}, got {mtp_hidden!r}")
+        self.mtp_hidden = mtp_hidden
         self.model = model
         self.cache = cache
         self.plan = plan
@@ -66,7 +72,7 @@ class ModelRunner:
             logits = self.model.logits(self.model.final_norm(hidden[[r for rows in emit_rows for r in rows]]))
         accepted, generated = self._emit(items, emit_rows, logits, layout)
         if self.k:
-            self._draft(items, layout, normed, accepted)
+            self._draft(items, layout, normed if self.mtp_hidden == "normed" else hidden, accepted)
         return StepResult(accepted, generated)
 
     def _batch(self, items: list[ScheduledSeq]) -> tuple[SeqLayout, torch.Tensor]:
@@ -151,7 +157,7 @@ class ModelRunner:
         self,
         items: list[ScheduledSeq],
         layout: SeqLayout,
-        normed: torch.Tensor,
+        main_hidden: torch.Tensor,
         accepted: list[int],
     ) -> None:
         """Fill the MTP head's KV for this step's positions and propose the next drafts."""
@@ -176,7 +182,9 @@ class ModelRunner:
         mtp_layout = SeqLayout(
             layout.query_lens, layout.context_lens, layout.slots, layout.block_tables, layout.block_size
         )
-        h = self.model.mtp_hidden(torch.tensor(next_ids, device=self.device), normed, mtp_layout, self.cache)
+        h = self.model.mtp_hidden(
+            torch.tensor(next_ids, device=self.device), main_hidden, mtp_layout, self.cache
+        )
         if not wanting:
             return
         rows = [layout.cu_seqlens[i] + item.num_new - 1 + accepted[i] for i, item in wanting]

@@ -6,18 +6,33 @@ on CUDA tensors where an implementation exists, the torch reference everywhere e
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 
 import torch
 
 BACKENDS = ("auto", "torch", "triton")
-_IMPLEMENTATIONS: dict[str, dict[str, Callable]] = {}
+_IMPLEMENTATIONS: dict[str, dict[str, Callable | str]] = {}
 
 
-def register(op: str, **implementations: Callable) -> None:
-    """Record the implementations of `op`, keyed by backend name (`torch`, `triton`)."""
+def register(op: str, **implementations: Callable | str) -> None:
+    """Record the implementations of `op`, keyed by backend name (`torch`, `triton`).
+
+    An implementation may be given as "module:function", imported on first use: Triton kernels are
+    compiled (or, under TRITON_INTERPRET=1, interpreted) as their module is imported, so importing the
+    engine never needs Triton.
+    """
     _IMPLEMENTATIONS.setdefault(op, {}).update(implementations)
+
+
+def implementation(op: str, name: str) -> Callable:
+    """The `name` backend's implementation of `op`, imported if it was registered by path."""
+    found = _IMPLEMENTATIONS[op][name]
+    if isinstance(found, str):
+        module, attr = found.split(":")
+        found = _IMPLEMENTATIONS[op][name] = getattr(importlib.import_module(module), attr)
+    return found
 
 
 def backend() -> str:
@@ -33,11 +48,11 @@ def pick(op: str, like: torch.Tensor) -> Callable:
     table = _IMPLEMENTATIONS[op]
     choice = backend()
     if choice == "torch":
-        return table["torch"]
+        return implementation(op, "torch")
     if choice == "triton":
         if "triton" not in table:
             raise ValueError(f"ENCLAVE_KERNELS=triton, but kernel op {op!r} has no Triton implementation yet")
-        return table["triton"]
+        return implementation(op, "triton")
     if like.is_cuda and "triton" in table:
-        return table["triton"]
-    return table["torch"]
+        return implementation(op, "triton")
+    return implementation(op, "torch")

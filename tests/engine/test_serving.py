@@ -87,6 +87,14 @@ def test_speculative_equals_plain(ckpt, reference, k):
         assert sum(o.metrics.num_draft_tokens for o in outs) == stats.draft_tokens
 
 
+def test_speculative_reading_the_raw_hidden_state_equals_plain(ckpt, reference):
+    prompts, expected = reference
+    with engine(ckpt, num_speculative_tokens=2, mtp_hidden="raw") as e:
+        assert tokens(e.generate(prompts, GREEDY)) == expected
+    with pytest.raises(EngineError, match="mtp_hidden"):
+        engine(ckpt, mtp_hidden="sideways")
+
+
 def test_speculative_with_chunking_and_queueing(ckpt, reference):
     prompts, expected = reference
     with engine(ckpt, num_speculative_tokens=2, max_num_batched_tokens=16, max_num_seqs=3) as e:

@@ -1,0 +1,9 @@
+"""Kernel tests run the Triton kernels in Triton's interpreter when there is no GPU (CI), on the GPU when
+there is one. The variable must be set before a kernel module is imported (at `@triton.jit` time)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
