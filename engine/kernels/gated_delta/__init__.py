@@ -6,7 +6,11 @@ from engine.kernels import dispatch
 from engine.kernels.gated_delta import reference
 from engine.kernels.layout import SeqLayout
 
-dispatch.register("gated_delta_rule", torch=reference.gated_delta_rule)
+dispatch.register(
+    "gated_delta_rule",
+    torch=reference.gated_delta_rule,
+    triton="engine.kernels.gated_delta.triton:gated_delta_rule",
+)
 
 
 def gated_delta_rule(

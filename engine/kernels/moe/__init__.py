@@ -5,8 +5,8 @@ import torch
 from engine.kernels import dispatch
 from engine.kernels.moe import reference
 
-dispatch.register("moe_route", torch=reference.route)
-dispatch.register("moe_experts", torch=reference.experts)
+dispatch.register("moe_route", torch=reference.route, triton="engine.kernels.moe.triton:route")
+dispatch.register("moe_experts", torch=reference.experts, triton="engine.kernels.moe.triton:experts")
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

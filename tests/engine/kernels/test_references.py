@@ -163,11 +163,21 @@ def test_moe_reference_equals_dense_loop():
 
 def test_dispatch_switch(monkeypatch):
     x = torch.zeros(2)
+
+    def plain(t):
+        return t
+
+    dispatch.register("test_only_op", torch=plain)
+    dispatch.register("test_lazy_op", torch=plain, triton="engine.kernels.norm.reference:rms_norm")
+    assert dispatch.pick("test_lazy_op", x) is plain  # auto: the reference for CPU tensors
     monkeypatch.setenv("ENCLAVE_KERNELS", "torch")
-    assert dispatch.pick("rms_norm", x) is dispatch._IMPLEMENTATIONS["rms_norm"]["torch"]
+    assert dispatch.pick("rms_norm", x) is dispatch.implementation("rms_norm", "torch")
     monkeypatch.setenv("ENCLAVE_KERNELS", "triton")
     with pytest.raises(ValueError, match="no Triton implementation"):
-        dispatch.pick("rms_norm", x)
+        dispatch.pick("test_only_op", x)
+    from engine.kernels.norm import reference
+
+    assert dispatch.pick("test_lazy_op", x) is reference.rms_norm  # imported by path on first use
     monkeypatch.setenv("ENCLAVE_KERNELS", "cuda-magic")
     with pytest.raises(ValueError, match="ENCLAVE_KERNELS"):
         dispatch.backend()

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call that checks and times everything (see /work/.library/device/METHOD.md): run from the
+# repository root on the GPU machine with $OUT set and ENCLAVE_COMMIT naming the commit under test.
+#   STEPS="kernels gpu_tests batching" bash benchmarks/h200_session.sh      (one call)
+#   STEPS="bench" bash benchmarks/h200_session.sh --quick --workloads a,b     (another: calls are <= 10 min)
+# Writes under $OUT: gpu.txt (GPU and stack), kernels.txt (kernel tests compiled on the GPU), gpu_tests.txt
+# (`-m gpu` tests), batching_*.{txt,json} and bench.{txt,json}.
+set -u
+OUT=${OUT:?set OUT}
+export TOKENIZERS_PARALLELISM=false
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python -c "import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__)"
+} > "$OUT/gpu.txt" 2>&1
+# The GPU image has no sqlalchemy: keep pytest from loading the repository-level conftest there.
+python -c "import sqlalchemy" 2>/dev/null && CUT="" || CUT="--confcutdir=tests/engine"
+run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "rc=$?" >> "$OUT/$name.txt"; tail -3 "$OUT/$name.txt"; }
+STEPS=${STEPS:-kernels gpu_tests batching}
+for step in $STEPS; do
+  case $step in
+    kernels) run kernels 240 python -m pytest -q -p no:cacheprovider $CUT tests/engine/kernels ;;
+    gpu_tests) run gpu_tests 240 python -m pytest -q -p no:cacheprovider $CUT -m gpu tests/engine ;;
+    batching)
+      run batching_triton 150 python benchmarks/engine_batching.py --device cuda --dtype bfloat16 --repeats 3 \
+        --json "$OUT/batching_triton.json"
+      run batching_torch 150 env ENCLAVE_KERNELS=torch python benchmarks/engine_batching.py --device cuda \
+        --dtype bfloat16 --repeats 3 --json "$OUT/batching_torch.json" ;;
+    bench) run bench 540 python -m engine.bench --preset qwen3.5-35b-a3b --json "$OUT/bench.json" "$@" ;;
+  esac
+done

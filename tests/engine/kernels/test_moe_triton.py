@@ -1,0 +1,181 @@
+"""Triton MoE routing and experts against the torch reference, over odd token counts and expert sizes.
+
+On the CPU these run in Triton's interpreter (conftest), which only handles fp32/fp16 `tl.dot`; the `gpu`
+tests run the real Qwen3.5-35B-A3B shapes in bf16. The wrapper's buffers are filled with NaN (see
+`nan_empty`), so anything a kernel leaves unwritten shows up in the output.
+"""
+
+import pytest
+import torch
+
+from engine.kernels import dispatch
+from engine.kernels.moe import reference
+from engine.kernels.moe import triton as moe_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# fp16 GEMMs round act and each slot's output to fp16 (about 5e-4 relative each) where the fp32 reference
+# keeps fp32; fp32 differs only in summation order.
+REL_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+
+_EMPTY = torch.empty
+
+
+def _nan_empty(*args, **kwargs):
+    out = _EMPTY(*args, **kwargs)
+    return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(-7)
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Every torch.empty the wrapper allocates starts as NaN (floats) or -7 (integers)."""
+    monkeypatch.setattr(torch, "empty", _nan_empty)
+
+
+def rand(*shape, seed=0, device=DEVICE):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def expert_weights(e, h, i, dtype, seed=0, device=DEVICE):
+    # Scaled so the activations and the output stay of order one.
+    w13 = rand(e, 2 * i, h, seed=seed, device=device) * h**-0.5
+    w2 = rand(e, h, i, seed=seed + 1, device=device) * i**-0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+def assert_relative(out, expected, rel_tol):
+    """Relative error of the whole tensor (flash-linear-attention's check), then elementwise near it."""
+    out, expected = out.float(), expected.float()
+    assert not out.isnan().any()
+    error = (out - expected).norm() / expected.norm().clamp_min(1e-12)
+    assert error < rel_tol, f"relative error {error:.2e} over {rel_tol:.0e}"
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out, expected, rtol=10 * rel_tol, atol=10 * rel_tol * scale)
+
+
+def assert_same_topk(weights, ids, logits, top_k, renormalize):
+    """Same weights as the reference, and ids that pick those probabilities; ties may pick other ids."""
+    ref_weights, ref_ids = reference.route(logits, top_k, renormalize)
+    assert ids.dtype == ref_ids.dtype and weights.dtype == torch.float32
+    # fp32 softmax either way; exp and the sum's order differ by an ulp or two.
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-7)
+    probs = torch.softmax(logits.float(), -1)
+    torch.testing.assert_close(probs.gather(-1, ids), probs.gather(-1, ref_ids), rtol=1e-5, atol=1e-7)
+    assert (ids.sort(-1).values.diff(dim=-1) > 0).all(), "an expert was picked twice"
+
+
+@pytest.mark.parametrize("t, e, k", [(1, 5, 2), (3, 8, 3), (17, 5, 2), (65, 8, 3), (3, 256, 8), (17, 256, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_matches_reference(t, e, k, dtype, renormalize, nan_empty):
+    logits = (rand(t, e, seed=t + e) * 3).to(dtype)
+    weights, ids = moe_triton.route(logits, k, renormalize)
+    assert_same_topk(weights, ids, logits, k, renormalize)
+    assert (weights[:, :-1] >= weights[:, 1:]).all(), "weights are not in descending order"
+
+
+def test_route_ids_equal_reference_without_ties():
+    logits = rand(17, 256, seed=5) * 3  # fp32 draws: no two probabilities equal
+    weights, ids = moe_triton.route(logits, 8, True)
+    ref_weights, ref_ids = reference.route(logits, 8, True)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-7)
+
+
+def test_route_ties_pick_distinct_experts():
+    logits = torch.zeros(3, 6, device=DEVICE)  # all tied: any 4 distinct experts, 1/4 each renormalised
+    weights, ids = moe_triton.route(logits, 4, True)
+    torch.testing.assert_close(weights, torch.full((3, 4), 0.25, device=DEVICE))
+    assert_same_topk(weights, ids, logits, 4, True)
+
+
+@pytest.mark.parametrize("t", [1, 3, 17, 65])
+@pytest.mark.parametrize("h, i, e, k", [(32, 16, 5, 2), (48, 24, 7, 3), (64, 32, 8, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_experts_match_reference(t, h, i, e, k, dtype, nan_empty):
+    x = rand(t, h, seed=t).to(dtype)
+    w13, w2 = expert_weights(e, h, i, dtype, seed=h + t)
+    logits = rand(t, e, seed=t + 1)
+    logits[:, 0] = float("-inf")  # expert 0 receives no tokens
+    weights, ids = reference.route(logits, k, renormalize=True)
+    out = moe_triton.experts(x, w13, w2, weights, ids)
+    assert out.dtype == dtype and out.shape == x.shape
+    expected = reference.experts(x.float(), w13.float(), w2.float(), weights, ids)
+    assert_relative(out, expected, REL_TOL[dtype])
+
+
+@pytest.mark.parametrize("t", [3, 65])
+@pytest.mark.parametrize("block_m, block_n, block_k", [(16, 16, 16), (32, 16, 32), (64, 64, 64)])
+def test_experts_tile_sizes(t, block_m, block_n, block_k, nan_empty):
+    # Several N tiles, a K loop with a ragged last step (H 48, I 24), and experts spanning several M blocks.
+    h, i, e, k = 48, 24, 5, 3
+    x = rand(t, h, seed=7)
+    w13, w2 = expert_weights(e, h, i, torch.float32, seed=8)
+    weights, ids = reference.route(rand(t, e, seed=9), k, renormalize=False)
+    config = moe_triton.ExpertsConfig(block_m, block_n, block_k)
+    out = moe_triton.fused_experts(x, w13, w2, weights, ids, config)
+    assert_relative(out, reference.experts(x, w13, w2, weights, ids), REL_TOL[torch.float32])
+
+
+def test_experts_strided_inputs():
+    # x a column slice of a wider tensor, w13 transposed storage: the kernels follow strides.
+    t, h, i, e, k = 17, 32, 16, 6, 2
+    x = rand(t, 2 * h, seed=1)[:, :h]
+    w13, w2 = expert_weights(e, h, i, torch.float32, seed=2)
+    w13 = w13.transpose(1, 2).contiguous().transpose(1, 2)
+    weights, ids = reference.route(rand(t, e, seed=3), k, renormalize=True)
+    out = moe_triton.experts(x, w13, w2, weights, ids)
+    assert_relative(out, reference.experts(x, w13, w2, weights, ids), REL_TOL[torch.float32])
+
+
+def test_align_block_size_groups_and_pads_by_expert():
+    ids = torch.tensor([[2, 0], [2, 4], [0, 2]], device=DEVICE)  # experts 1 and 3 unused
+    sorted_pairs, block_experts, num_blocks = moe_triton.align_block_size(ids, 5, block_m=2)
+    pad = ids.numel()
+    assert num_blocks == 3 + 5
+    # expert 0: pairs 1, 4; expert 2: pairs 0, 2, 5 (+ pad); expert 4: pair 3 (+ pad); then spare blocks.
+    assert sorted_pairs[:8].tolist() == [1, 4, 0, 2, 5, pad, 3, pad]
+    assert (sorted_pairs[8:] == pad).all()
+    assert block_experts.tolist() == [0, 2, 2, 4, 5, 5, 5, 5]
+
+
+def test_registered_with_dispatch():
+    assert dispatch.implementation("moe_route", "triton") is moe_triton.route
+    assert dispatch.implementation("moe_experts", "triton") is moe_triton.experts
+
+
+def test_unsupported_dtypes_fall_back_to_reference():
+    t, h, i, e, k = 3, 16, 16, 4, 2
+    x = rand(t, h, seed=1)
+    w13, w2 = expert_weights(e, h, i, torch.float64, seed=2)
+    weights, ids = reference.route(rand(t, e, seed=3), k, renormalize=True)
+    out = moe_triton.experts(x.double(), w13, w2, weights, ids)
+    torch.testing.assert_close(out, reference.experts(x.double(), w13, w2, weights, ids))
+
+
+# Qwen3.5-35B-A3B: hidden 2048, 256 experts of intermediate 512, top 8, renormalised.
+H, I, E, K = 2048, 512, 256, 8
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 3, 64, 130, 1000, 4096])
+def test_route_real_shapes_gpu(t):
+    logits = (rand(t, E, seed=t) * 2).to(torch.bfloat16)  # bf16 logits: ties happen
+    weights, ids = moe_triton.route(logits, K, True)
+    assert_same_topk(weights, ids, logits, K, True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 3, 64, 130, 1000, 4096])
+def test_experts_real_shapes_gpu(t):
+    x = rand(t, H, seed=t).to(torch.bfloat16)
+    w13, w2 = expert_weights(E, H, I, torch.bfloat16, seed=1)
+    weights, ids = reference.route(rand(t, E, seed=t + 1), K, renormalize=True)
+    out = moe_triton.experts(x, w13, w2, weights, ids)
+    # bf16 rounds act and each slot's output (2^-8 relative each) where the fp32 reference does not.
+    expected = reference.experts(x.float(), w13.float(), w2.float(), weights, ids)
+    assert out.dtype == torch.bfloat16
+    assert_relative(out, expected, REL_TOL[torch.bfloat16])
