@@ -209,6 +209,7 @@ class Engine:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
+        _BUSY.discard(self)
 
     def __enter__(self) -> Engine:
         return self
@@ -239,6 +240,7 @@ class Engine:
         with self._cond:
             if self._closed:
                 self._fail_all(EngineError("the engine was closed before this request finished"))
+                _BUSY.discard(self)
                 return False
             arrived, self._inbox = self._inbox, []
         for seq, future in arrived:

@@ -29,8 +29,8 @@ def load_model(
     num_mtp = count_mtp_layers(reader)
     with torch.device("meta"):
         model = CausalLM(config, num_mtp_layers=num_mtp)
+    model.to(dtype)  # cast while on meta: materialising fp32 first would need twice the memory
     model.to_empty(device=device)
-    model.to(dtype)
     mapper = _Mapper(reader, config, dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -507,6 +507,15 @@ def demo(keep: bool) -> None:
     raise SystemExit(run_demo(keep=keep))
 
 
+@cli.command(context_settings={"ignore_unknown_options": True}, add_help_option=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args: tuple[str, ...]) -> None:
+    """GPU benchmark of the engine against the memory roofline (`enclave bench --help` for options)."""
+    from engine.bench import main as bench_main
+
+    raise SystemExit(bench_main(list(args)))
+
+
 def _db(settings: Settings):
     """The command's database, disposed of when the command ends."""
     from pipeline.db import Database

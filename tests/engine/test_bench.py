@@ -1,0 +1,107 @@
+"""The GPU benchmark's plumbing on the CPU: a tiny run end to end, the byte count, the random weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine import bench
+from engine.config import config_from_dict
+
+FULL = "qwen3.5-35b-a3b"
+
+
+def preset(name: str):
+    return config_from_dict(bench.PRESETS[name](), source=f"preset {name}")
+
+
+def test_tiny_quick_run_writes_the_report(tmp_path):
+    path = tmp_path / "bench.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--quick", "--workloads", "a,b,f"]
+    assert bench.main([*argv, "--max-seconds", "120", "--json", str(path)]) == 0
+
+    report = json.loads(path.read_text())
+    for key in ("date", "machine", "torch", "triton", "commit", "configuration", "expert_load"):
+        assert key in report
+    assert report["bandwidth"]["bytes_per_s"] > 0
+    assert report["matmul"]["flop_per_s"] > 0
+    assert report["configuration"]["dtype"] == "float32"
+    assert set(report["workloads"]) == {"a", "b", "f"}
+    points = [p for letter in "abf" for p in report["workloads"][letter]]
+    assert not [p for p in points if "error" in p]
+    for p in points:
+        assert p["tokens_per_s"] > 0 and not p["capped"]
+        assert p["bytes_per_token"]["total"] > 0 and p["pct_of_roofline"] > 0
+
+    (single,) = report["workloads"]["a"]
+    assert single["batch"] == 1 and single["end_to_end_tokens_per_s"] > 0
+    assert [p["batch"] for p in report["workloads"]["b"]] == [16, 64, 256]
+    verify = {p["label"]: p for p in report["workloads"]["f"]}
+    for k in (1, 2, 3):
+        assert verify[f"verify k={k}"]["ratio_vs_plain"] > 0
+        assert verify[f"MTP step k={k}"]["ratio_vs_plain"] > 0  # the tiny preset has an MTP head
+
+
+def test_cli_passes_its_arguments_to_the_benchmark(monkeypatch, tmp_path):
+    from pipeline import cli
+
+    monkeypatch.setenv("ENCLAVE_HOME", str(tmp_path))
+    seen = []
+    monkeypatch.setattr(bench, "main", lambda argv: seen.append(argv) or 0)
+    assert cli.main(["bench", "--quick", "--workloads", "a", "--help"]) == 0
+    assert seen == [["--quick", "--workloads", "a", "--help"]]
+
+
+def test_full_preset_reads_about_2_95_billion_parameters_per_token():
+    config = preset(FULL)
+    counts = bench.param_counts(config)  # built on the meta device: nothing allocated
+    assert counts.active(1) == pytest.approx(2.95e9, rel=0.01)
+    assert counts.total - counts.mtp == pytest.approx(34.7e9, rel=0.01)
+
+    one = bench.step_bytes(counts, config, torch.bfloat16, seqs=1, context=0)
+    assert one.weights == 2 * counts.active(1)
+    # The issue's single-stream bound: weights only, at 4.3 TB/s.
+    assert 4.3e12 / one.weights == pytest.approx(729, rel=0.01)
+    # Each layer's DeltaNet state (fp32) is read and written once per step: 30 x 2 MiB, twice.
+    assert one.state == pytest.approx(2 * 30 * (32 * 128 * 128 * 4 + 8192 * 3 * 2))
+
+    sixty_four = bench.step_bytes(counts, config, torch.bfloat16, seqs=64, context=512)
+    assert sixty_four.weights < 64 * one.weights
+    assert sixty_four.kv == 64 * 513 * 10 * 2 * 2 * 256 * 2  # 10 attention layers, K and V, 2 heads of 256
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 17, 63, 500, 100_000])
+def test_expected_experts_is_top_k_for_one_token_and_bounded(tokens):
+    touched = bench.expected_experts(tokens, 256, 8)
+    assert 8 <= touched <= min(256, 8 * tokens)
+    if tokens == 1:
+        assert touched == pytest.approx(8)
+    if tokens == 100_000:
+        assert touched == pytest.approx(256)
+
+
+def test_random_weights_are_seeded_finite_and_shaped_for_the_model():
+    config = preset("tiny")
+    model = bench.random_model(config, torch.device("cpu"), torch.float32, seed=3)
+    again = bench.random_model(config, torch.device("cpu"), torch.float32, seed=3)
+    for (name, p), (_, q) in zip(model.named_parameters(), again.named_parameters(), strict=True):
+        assert torch.isfinite(p).all(), name
+        assert torch.equal(p, q), name
+    layer = model.model.layers[0]
+    assert torch.equal(layer.input_layernorm.weight, torch.zeros(config.hidden_size))  # zero-centred: 1 + w
+    assert torch.equal(layer.linear_attn.norm_weight, torch.ones(config.linear_value_head_dim))
+    assert (layer.linear_attn.A_log.exp() >= 1).all() and (layer.linear_attn.A_log.exp() <= 16).all()
+    router_norms = layer.mlp.gate.weight.norm(dim=-1)
+    assert torch.allclose(router_norms, torch.full_like(router_norms, bench.ROUTER_LOGIT_STD))
+
+
+def test_router_init_spreads_tokens_evenly_over_the_experts():
+    model = bench.random_model(preset("tiny"), torch.device("cpu"), torch.float32, seed=0)
+    spread = bench.expert_load(model, seqs=4, tokens_per_seq=64)
+    assert spread["tokens"] == 256 and spread["layers"] == 4
+    assert spread["unused_fraction"] == 0
+    # 8 experts, top-2 of 256 tokens: 64 per expert on average; random routing gives about 1.2x at most.
+    assert spread["max_over_mean"] < 1.5
+    assert spread["max_over_mean"] < spread["uniform_random"]["max_over_mean"] + 0.25
