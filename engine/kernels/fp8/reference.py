@@ -12,3 +12,41 @@ def dequantize_block_fp8(
     n, k = weight.shape[-2:]
     scale = scale_inv.float().repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)[..., :n, :k]
     return (weight.float() * scale).to(dtype)
+
+
+FP8_MAX = 448.0  # largest finite e4m3 (float8_e4m3fn) value
+AMAX_EPS = 1e-10  # a group of zeros gets this amax, so its scale is not 0 (0 / 0 would give NaN)
+
+
+def quantize_fp8_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    # x [..., K] -> (e4m3 [..., K], fp32 scales [..., ceil(K/group)]); the last group may be partial.
+    k = x.shape[-1]
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - k))
+    blocks = padded.unflatten(-1, (groups, group))  # [..., G, group]
+    amax = blocks.abs().amax(dim=-1).clamp(min=AMAX_EPS)  # [..., G]
+    # A tensor divisor: CUDA turns division by a Python number into a multiplication by its reciprocal, which
+    # can be one ulp off the CPU's exact quotient.
+    scale = amax / torch.full_like(amax, FP8_MAX)
+    q = (blocks / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).flatten(-2)[..., :k]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def fp8_block_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: tuple[int, int] = (128, 128),
+) -> torch.Tensor:
+    # x [..., K]; weight [N, K] e4m3; weight_scale_inv [ceil(N/bn), ceil(K/bk)] -> [..., N] in x's dtype.
+    # x is quantised per token and per bk channels, then both sides are dequantised and multiplied in fp32:
+    # equal, up to fp32 summation order, to summing the K blocks' e4m3 products times x_scale * w_scale.
+    k = x.shape[-1]
+    x_q, x_scale = quantize_fp8_per_token_group(x, block[1])
+    x_deq = x_q.float() * x_scale.repeat_interleave(block[1], dim=-1)[..., :k]
+    w_deq = dequantize_block_fp8(weight, weight_scale_inv, block, torch.float32)  # [N, K]
+    y = x_deq @ w_deq.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

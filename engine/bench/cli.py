@@ -1,0 +1,214 @@
+"""GPU benchmark: the engine against the memory roofline, the matrix rate and transformers (issue 5).
+
+    python -m engine.bench [--preset qwen3.5-35b-a3b | --preset tiny | --model PATH]
+        [--workloads a,b,c,d,e,f,g] [--quick] [--max-seconds S] [--device cuda] [--dtype bfloat16]
+        [--kv-cache-gib G] [--json PATH]
+    enclave bench ...   (the same arguments)
+
+A preset builds the model with seeded random weights directly on the device (no checkpoint, no tokenizer:
+prompts are random token ids). The same run measures the device's copy bandwidth (the roofline) and its
+matrix rate, then each workload's tokens/s, the bytes a token must move (weights, KV, DeltaNet state)
+and the percentage of the roofline that is:
+
+    (a) single stream: one 512-token prompt, 256 new tokens
+    (b) batch decode at 16, 64 and 256 sequences (decode steps only, after every prefill)
+    (c) prefill of 8 x 4096 tokens, also as % of the measured matrix rate
+    (d) documents: 512 requests of 2048 prompt + 256 new tokens through Engine.submit
+    (e) long context: a 131,072-token prompt, its prefill and the decode rate at that context
+    (f) MTP verify step with k = 1, 2, 3 against a plain decode step at batch 1 (time ratio)
+    (g) transformers' Qwen3_5MoeForCausalLM, same geometry and random weights, for (a) and (b, 64)
+
+Workloads (a)-(c), (e) and (f) drive an `EngineCore` directly, so each step is timed on its own (the
+first decode steps of each run are left untimed: compiles, graph captures); (d) goes through the engine's
+loop thread as the pipeline does; (g) runs after our model is freed. `--quick` shrinks every workload.
+Each measurement (each batch size of (b), each k of (f)) stops at `--max-seconds` and reports what it
+measured so far; one that fails (out of memory, say) is recorded as its error and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.bench.device import free, measure_device
+from engine.bench.harness import Bench
+from engine.bench.measure import describe, say
+from engine.bench.presets import PRESETS, expert_load, random_model
+from engine.bench.report import environment, geometry, load_text, param_summary, print_table, write_json
+from engine.bench.settings import BLOCK_SIZE, DTYPES, GIB, QUICK, WARMUP_STEPS, Settings, Sizes
+from engine.bench.traffic import ParamCounts, param_counts
+from engine.bench.transformers_ref import transformers_comparison
+from engine.bench.workloads import RUNNERS
+from engine.config import ModelConfig, config_from_dict
+from engine.engine import Engine
+from engine.errors import EngineError
+from engine.model.model import CausalLM
+
+log = logging.getLogger(__name__)
+
+DEFAULT_JSON = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "bench.json"
+WORKLOADS = "abcdefg"
+
+
+def load(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> tuple[CausalLM, ModelConfig, dict]:
+    """The model to measure: a preset with random weights, or the checkpoint at --model."""
+    if args.model:
+        # A small cache only: the workloads plan their own. The engine is dropped, the model kept.
+        engine = Engine.from_pretrained(
+            args.model, device=device, dtype=dtype, max_num_seqs=1, max_prefixes=0, kv_cache_memory=GIB
+        )
+        model, config = engine.model, engine.config
+        engine.close()
+        return model.requires_grad_(False), config, dict(config.extra.get("raw") or {})
+    raw = PRESETS[args.preset]()
+    config = config_from_dict(raw, source=f"preset {args.preset}")
+    check_room(param_counts(config), device, dtype)
+    return random_model(config, device, dtype, args.seed), config, raw
+
+
+def check_room(counts: ParamCounts, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, in one line, to build weights that cannot fit the device's free memory."""
+    need = counts.total * dtype.itemsize
+    try:
+        if device.type == "cuda":
+            room = torch.cuda.mem_get_info(device)[0]
+        else:
+            room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # no such query on this platform: just try
+        return
+    if need > room:
+        raise EngineError(
+            f"the random weights need {need / GIB:.1f} GiB and {device} has {room / GIB:.1f} GiB free; "
+            "use a GPU with room (--device), --dtype bfloat16, or --preset tiny"
+        )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure the device, build or load the model, run the chosen workloads; the report as plain data."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    sizes = replace(QUICK if args.quick else Sizes(), **({"batches": args.batches} if args.batches else {}))
+    settings = Settings(
+        max_seconds=args.max_seconds,
+        kv_cache_bytes=int((args.kv_cache_gib or (40 if device.type == "cuda" else 1)) * GIB),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+    )
+    bandwidth, matmul = measure_device(device, dtype, args.quick)
+    say(f"building {args.model or args.preset} on {device} as {dtype}")
+    start = time.perf_counter()
+    model, config, raw = load(args, device, dtype)
+    built_s = time.perf_counter() - start
+    counts = param_counts(config)
+    try:
+        spread = expert_load(model, seed=args.seed)
+    except Exception as exc:  # a kernel failing here should not cost the rest of the run
+        log.warning("measuring the expert load failed", exc_info=True)
+        spread = {"error": describe(exc)}
+    say(f"  built in {built_s:.1f} s; expert load {load_text(spread)}")
+    bench = Bench(
+        model, config, counts, device, dtype, sizes, settings, bandwidth["bytes_per_s"], matmul["flop_per_s"]
+    )
+    results: dict[str, Any] = {}
+    for letter in args.workloads:
+        if letter in RUNNERS:
+            title, runner = RUNNERS[letter]
+            say(f"({letter}) {title}")
+            results[letter] = runner(bench)
+            free(device)
+    if "g" in args.workloads:
+        bench.model = model = None  # transformers' copy of the model needs the memory
+        free(device)
+        say("(g) transformers")
+        results["g"] = transformers_comparison(bench, raw, results)
+    configuration = {
+        "source": args.model or f"preset {args.preset} (random weights, seed {args.seed})",
+        "model_type": config.model_type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "geometry": geometry(config),
+        "params": param_summary(counts),
+        "build_s": built_s,
+        "quick": args.quick,
+        "sizes": asdict(sizes),
+        "settings": asdict(settings),
+        "block_size": BLOCK_SIZE,
+        "warmup_decode_steps": WARMUP_STEPS,
+        "kernels": os.environ.get("ENCLAVE_KERNELS", "auto"),
+        "sampling": "greedy, ignore_eos, random prompt token ids",
+    }
+    return {
+        **environment(device),
+        "configuration": configuration,
+        "bandwidth": bandwidth,
+        "matmul": matmul,
+        "expert_load": spread,
+        "workloads": results,
+    }
+
+
+def _workloads(text: str) -> str:
+    letters = "".join(x.strip().lower() for x in text.split(",") if x.strip())
+    if not letters or any(x not in WORKLOADS for x in letters):
+        raise argparse.ArgumentTypeError(f"workloads are letters among {','.join(WORKLOADS)}, e.g. a,b,f")
+    return "".join(x for x in WORKLOADS if x in letters)
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError("batch sizes must be positive integers, e.g. 16,64,256")
+    return sizes
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; its description is this module's first docstring line."""
+    parser = argparse.ArgumentParser(prog="engine.bench", description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=sorted(PRESETS), default="qwen3.5-35b-a3b")
+    source.add_argument("--model", help="a checkpoint directory instead of a preset")
+    parser.add_argument("--workloads", type=_workloads, default=WORKLOADS, help="e.g. a,b,f (default: all)")
+    parser.add_argument("--quick", action="store_true", help="shrink every workload (a few minutes in all)")
+    parser.add_argument("--max-seconds", type=float, default=600.0, help="time cap of each measurement")
+    parser.add_argument("--device", help="default: cuda when available")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on cuda, else float32")
+    parser.add_argument(
+        "--kv-cache-gib", type=float, help="cache budget of each workload (default 40 on cuda)"
+    )
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="of workload (d)")
+    parser.add_argument("--batches", type=_sizes, help="batch sizes of (b) (default 16,64,256)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=str(DEFAULT_JSON), help="write the results here ('' for none)")
+    args = parser.parse_args(argv)
+    if args.max_seconds <= 0 or args.max_num_batched_tokens < 1 or args.max_num_seqs < 1:
+        parser.error("--max-seconds, --max-num-batched-tokens and --max-num-seqs must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark with `argv` (sys.argv by default), print the table, write the JSON; exit status."""
+    args = parse_args(argv)
+    try:
+        report = run(args)
+    except EngineError as exc:  # a bad checkpoint, or weights too large for the device
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, RuntimeError) as exc:  # out of memory building the model, say
+        log.debug("benchmark failed", exc_info=True)
+        print(f"error: {describe(exc)}", file=sys.stderr)
+        return 1
+    print_table(report)
+    if args.json:
+        write_json(report, Path(args.json))
+    return 0

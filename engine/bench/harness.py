@@ -1,0 +1,160 @@
+"""Driving an engine core step by step: the `Bench` every workload gets, and one decode measurement."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.bench.device import wall_time
+from engine.bench.settings import BLOCK_SIZE, WARMUP_STEPS, Settings, Sizes
+from engine.bench.traffic import ParamCounts, roofline, step_bytes
+from engine.config import ModelConfig
+from engine.core import EngineCore
+from engine.model.model import CausalLM
+from engine.planner import plan_cache
+from engine.runner import Drafter
+from engine.sampling import SamplingParams
+from engine.sequence import Sequence
+
+
+@dataclass
+class Bench:
+    """What every workload needs: the model, the run's sizes and settings, the device measurements."""
+
+    model: CausalLM | None  # None once freed for (g)
+    config: ModelConfig
+    counts: ParamCounts
+    device: torch.device
+    dtype: torch.dtype
+    sizes: Sizes
+    settings: Settings
+    bandwidth: float  # bytes/s
+    matmul: float  # FLOP/s
+
+    def core(self, max_num_seqs: int, max_len: int, k: int = 0, drafter: Drafter | None = None) -> EngineCore:
+        """A fresh engine core whose pools fit `max_num_seqs` sequences of `max_len` positions (at most the
+        cache budget); with `k` drafts per step from `drafter`, or from the MTP head when it is None."""
+        # The core gives the MTP head its KV cache whenever k > 0, even when a drafter stands in for it.
+        num_mtp = len(self.model.mtp.layers) if self.model.mtp is not None and k else 0
+        plan = plan_cache(
+            self.config,
+            self.dtype,
+            self.settings.kv_cache_bytes,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_len,
+            num_speculative_tokens=k,
+            num_mtp_layers=num_mtp,
+            block_size=BLOCK_SIZE,
+            max_prefixes=0,
+        )
+        return EngineCore(
+            self.model,
+            plan,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=self.settings.max_num_batched_tokens,
+            num_speculative_tokens=k,
+            max_prefixes=0,
+            drafter=drafter,
+        )
+
+    def prompts(self, n: int, length: int) -> list[list[int]]:
+        g = torch.Generator().manual_seed(self.settings.seed)
+        return torch.randint(0, self.config.vocab_size, (n, length), generator=g).tolist()
+
+    def add(self, core: EngineCore, n: int, prompt_len: int, max_tokens: int, max_len: int) -> list[Sequence]:
+        """Queue `n` greedy requests of random tokens that ignore EOS."""
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        seqs = [
+            Sequence(i, ids, params, None, set(), None, max_len, self.device)
+            for i, ids in enumerate(self.prompts(n, prompt_len))
+        ]
+        for seq in seqs:
+            core.add(seq)
+        return seqs
+
+    def deadline(self) -> float:
+        return time.perf_counter() + self.settings.max_seconds
+
+    def step(self, core: EngineCore) -> float:
+        """Run one step; seconds it took, the device synchronised on both sides."""
+        return wall_time(core.step, self.device)
+
+    def prefill(self, core: EngineCore, seqs: list[Sequence], deadline: float) -> tuple[float, int, bool]:
+        """Step until every sequence has its first token: (seconds, steps, whether it got there)."""
+        spent, steps = 0.0, 0
+        while any(not s.output_ids for s in seqs):
+            if time.perf_counter() > deadline:
+                return spent, steps, False
+            spent += self.step(core)
+            steps += 1
+        return spent, steps, True
+
+    def decode(self, core: EngineCore, seqs: list[Sequence], steps: int, deadline: float) -> dict[str, Any]:
+        """WARMUP_STEPS untimed decode steps, then up to `steps` timed ones."""
+        times: list[float] = []
+        contexts: list[float] = []
+        tokens = batch = warmup = 0
+        for i in range(WARMUP_STEPS + steps):
+            live = [s for s in seqs if not s.finished]
+            if not live or time.perf_counter() > deadline:
+                break
+            context = statistics.fmean(s.num_computed for s in live)
+            before = core.generated_tokens
+            seconds = self.step(core)
+            warmup += i < WARMUP_STEPS
+            if i >= WARMUP_STEPS:
+                times.append(seconds)
+                contexts.append(context)
+                tokens += core.generated_tokens - before
+                batch = max(batch, len(live))
+        spent = sum(times)
+        return {
+            "decode_steps": len(times),
+            "warmup_steps": warmup,
+            "decode_s": spent,
+            "ms_per_step": 1e3 * statistics.median(times) if times else None,
+            "tokens_per_s": tokens / spent if spent else None,
+            "decode_tokens": tokens,
+            "batch": batch,
+            "mean_context": statistics.fmean(contexts) if contexts else None,
+            "capped": len(times) < steps,
+        }
+
+    def warm_up(self, prompt_len: int) -> None:
+        """One untimed request (a prefill chunk and a few decode steps): compiles and first-use costs."""
+        length = min(prompt_len, self.settings.max_num_batched_tokens)
+        core = self.core(1, length + 16)
+        self.add(core, 1, length, 4, length + 16)
+        while core.has_work():
+            core.step()
+
+
+def decode_point(b: Bench, batch: int, prompt_len: int, steps: int) -> dict[str, Any]:
+    """`batch` sequences prefilled, then timed decode steps with all of them running."""
+    deadline = b.deadline()
+    # Sequences prefilled early decode while later ones prefill: leave them room to keep the batch full.
+    room = -(-batch * prompt_len // b.settings.max_num_batched_tokens) + 1
+    max_tokens = 1 + room + WARMUP_STEPS + steps
+    max_len = prompt_len + max_tokens + 8
+    core = b.core(batch, max_len)
+    seqs = b.add(core, batch, prompt_len, max_tokens, max_len)
+    prefill_s, prefill_steps, done = b.prefill(core, seqs, deadline)
+    point: dict[str, Any] = {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "prefill_s": prefill_s,
+        "prefill_steps": prefill_steps,
+        "prefill_tokens_per_s": core.prompt_tokens / prefill_s if prefill_s else None,
+    }
+    if not done:
+        return point | {"capped": True, "note": f"time cap reached during prefill ({prefill_s:.1f} s)"}
+    run = b.decode(core, seqs, steps, deadline)
+    point |= run
+    if run["decode_steps"]:
+        bytes_ = step_bytes(b.counts, b.config, b.dtype, seqs=run["batch"], context=run["mean_context"])
+        point |= roofline(bytes_, run["batch"], run["tokens_per_s"], b.bandwidth)
+    return point

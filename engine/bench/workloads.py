@@ -1,0 +1,266 @@
+"""Workloads (a)-(f): single stream, batch decode, prefill, documents, long context and MTP verify."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import wait
+from typing import Any
+
+from engine.bench.device import sync
+from engine.bench.harness import Bench, decode_point
+from engine.bench.measure import guarded
+from engine.bench.settings import WARMUP_STEPS
+from engine.bench.traffic import StepBytes, prefill_bytes, roofline, step_bytes
+from engine.cache import block_bytes, slot_bytes
+from engine.engine import Engine
+from engine.runner import Drafter
+from engine.sampling import SamplingParams
+from engine.sequence import Sequence
+
+
+def single_stream(b: Bench) -> list[dict[str, Any]]:
+    """(a) one prompt; decode tok/s over the timed steps, and the whole request end to end."""
+    s = b.sizes
+
+    def measure() -> dict[str, Any]:
+        b.warm_up(s.single_prompt)
+        point = decode_point(b, 1, s.single_prompt, max(1, s.single_new - 1 - WARMUP_STEPS))
+        if point.get("decode_steps"):
+            # WARMUP_STEPS decode steps ran untimed; count them at the timed steps' rate.
+            total_s = point["prefill_s"] + point["decode_s"] * (1 + WARMUP_STEPS / point["decode_steps"])
+            point["end_to_end_tokens_per_s"] = s.single_new / total_s
+            point["note"] = (
+                f"{point['ms_per_step']:.1f} ms/step; prefill {s.single_prompt} in "
+                f"{point['prefill_s']:.2f} s; {s.single_new} tokens end to end "
+                f"{point['end_to_end_tokens_per_s']:.1f} tok/s"
+            )
+        return point
+
+    return [guarded(f"1 x {s.single_prompt}+{s.single_new}", measure)]
+
+
+def batch_decode(b: Bench) -> list[dict[str, Any]]:
+    """(b) decode at each batch size: time after prefill only."""
+    s = b.sizes
+
+    def measure(batch: int) -> dict[str, Any]:
+        point = decode_point(b, batch, s.batch_prompt, s.batch_steps)
+        if point.get("decode_steps"):
+            point["note"] = f"{point['ms_per_step']:.1f} ms/step at context {point['mean_context']:.0f}"
+        return point
+
+    return [guarded(f"batch {n}", lambda n=n: measure(n)) for n in s.batches]
+
+
+def prefill(b: Bench) -> list[dict[str, Any]]:
+    """(c) prompts only (one token each); tokens/s, and FLOP/s as % of the matrix rate."""
+    s = b.sizes
+    n, length = s.prefill_seqs, s.prefill_len
+
+    def measure() -> dict[str, Any]:
+        b.warm_up(length)
+        deadline = b.deadline()
+        core = b.core(n, length + 8)
+        seqs = b.add(core, n, length, 1, length + 8)
+        spent, steps, done = b.prefill(core, seqs, deadline)
+        tokens = core.prompt_tokens
+        tokens_per_s = tokens / spent if spent else None
+        # 2 FLOPs per multiply-add: every token through the dense and top-k expert weights, lm_head once per
+        # prompt (attention's quadratic term and the delta rule are left out: a lower bound on the work).
+        flops = 2 * tokens * b.counts.matmul_params() + 2 * n * b.counts.lm_head
+        point = {
+            "seqs": n,
+            "prompt_len": length,
+            "prefill_s": spent,
+            "steps": steps,
+            "prompt_tokens": tokens,
+            "tokens_per_s": tokens_per_s,
+            "flops": flops,
+            "flop_per_s": flops / spent if spent else None,
+            "pct_of_matmul_rate": 100.0 * flops / spent / b.matmul if spent else None,
+            "capped": not done,
+        }
+        bytes_ = prefill_bytes(
+            b.counts, b.config, b.dtype, seqs=n, prompt_len=length, chunk=b.settings.max_num_batched_tokens
+        )
+        point |= roofline(bytes_, n * length, tokens_per_s, b.bandwidth)
+        if spent:
+            point["note"] = f"{point['pct_of_matmul_rate']:.1f}% of the matrix rate; {spent:.2f} s"
+        return point
+
+    return [guarded(f"{n} x {length}", measure)]
+
+
+def documents(b: Bench) -> list[dict[str, Any]]:
+    """(d) many requests through Engine.submit and its loop thread, as the pipeline sends them."""
+    s = b.sizes
+    return [
+        guarded(
+            f"{s.docs} x {s.doc_prompt}+{s.doc_new}", lambda: _documents(b, s.docs, s.doc_prompt, s.doc_new)
+        )
+    ]
+
+
+def _documents(b: Bench, n: int, prompt_len: int, new: int) -> dict[str, Any]:
+    deadline = b.deadline()
+    engine = Engine(
+        b.model,
+        b.config,
+        None,
+        b.device,
+        b.dtype,
+        max_num_seqs=b.settings.max_num_seqs,
+        max_num_batched_tokens=b.settings.max_num_batched_tokens,
+        max_model_len=prompt_len + new + 8,
+        kv_cache_memory=b.settings.kv_cache_bytes,
+        max_prefixes=0,
+    )
+    try:
+        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        prompts = b.prompts(n, prompt_len)
+        sync(b.device)
+        start = time.perf_counter()
+        futures = [engine.submit(p, params) for p in prompts]
+        finished, pending = wait(futures, timeout=max(0.0, deadline - time.perf_counter()))
+        engine.close()  # with requests pending (time cap), they fail after the step in progress
+        sync(b.device)
+        wall = time.perf_counter() - start
+        stats = engine.stats()
+    finally:
+        engine.close()
+    total = stats.prompt_tokens + stats.generated_tokens
+    point = {
+        "requests": n,
+        "completed": sum(1 for f in finished if f.exception() is None),
+        "prompt_len": prompt_len,
+        "max_tokens": new,
+        "max_num_seqs": b.settings.max_num_seqs,
+        "wall_s": wall,
+        "steps": stats.steps,
+        "prompt_tokens": stats.prompt_tokens,
+        "generated_tokens": stats.generated_tokens,
+        "tokens_per_s": total / wall,
+        "output_tokens_per_s": stats.generated_tokens / wall,
+        "preemptions": stats.num_preemptions,
+        "capped": bool(pending),
+    }
+    if stats.steps and total:
+        # Estimate: each step reads the weights its tokens touch; each output token reads its context's KV.
+        kv_position = block_bytes(b.config, b.dtype, 1, 0)
+        bytes_ = StepBytes(
+            weights=stats.steps * b.counts.active(total / stats.steps) * b.dtype.itemsize,
+            kv=(stats.generated_tokens * (prompt_len + new / 2) + stats.prompt_tokens) * kv_position,
+            state=(stats.generated_tokens + n) * 2 * slot_bytes(b.config, b.dtype),
+        )
+        point |= roofline(bytes_, total, point["tokens_per_s"], b.bandwidth)
+    point["note"] = (
+        f"output {point['output_tokens_per_s']:,.0f} tok/s; {point['completed']}/{n} done in {wall:.1f} s"
+    )
+    return point
+
+
+def long_context(b: Bench) -> list[dict[str, Any]]:
+    """(e) one very long prompt: chunked prefill, then decode steps at that context."""
+    s = b.sizes
+    length = min(s.long_prompt, b.config.max_model_len - s.long_steps - WARMUP_STEPS - 16)
+    max_len = length + s.long_steps + WARMUP_STEPS + 16
+    state: dict[str, Any] = {}
+
+    def measure_prefill() -> dict[str, Any]:
+        b.warm_up(length)
+        deadline = b.deadline()
+        core = b.core(1, max_len)
+        seqs = b.add(core, 1, length, s.long_steps + WARMUP_STEPS + 1, max_len)
+        spent, steps, done = b.prefill(core, seqs, deadline)
+        state.update(core=core, seqs=seqs, done=done)
+        tokens_per_s = core.prompt_tokens / spent if spent else None
+        point = {"prompt_len": length, "prefill_s": spent, "steps": steps, "tokens_per_s": tokens_per_s}
+        point["capped"] = not done
+        bytes_ = prefill_bytes(
+            b.counts, b.config, b.dtype, seqs=1, prompt_len=length, chunk=b.settings.max_num_batched_tokens
+        )
+        point["note"] = f"prefill {spent:.1f} s" + ("" if done else " (time cap)")
+        return point | roofline(bytes_, length, tokens_per_s, b.bandwidth)
+
+    def measure_decode() -> dict[str, Any]:
+        if not state.get("done"):
+            return {"skipped": "the prefill did not finish"}
+        run = b.decode(state["core"], state["seqs"], s.long_steps, b.deadline())
+        if run["decode_steps"]:
+            bytes_ = step_bytes(b.counts, b.config, b.dtype, seqs=1, context=run["mean_context"])
+            run |= roofline(bytes_, 1, run["tokens_per_s"], b.bandwidth)
+            run["note"] = f"{run['ms_per_step']:.1f} ms/step"
+        return run
+
+    points = [guarded(f"prefill {length}", measure_prefill), guarded(f"decode at {length}", measure_decode)]
+    state.clear()
+    return points
+
+
+def repeat_last_drafter(seq: Sequence, count: int) -> list[int]:
+    """Drafts without the MTP head, so a step times the verify pass alone."""
+    return [seq.token_ids[-1]] * count
+
+
+def mtp_verify(b: Bench) -> list[dict[str, Any]]:
+    """(f) batch-1 step time verifying k drafts (k+1 positions) against a plain decode step."""
+    s = b.sizes
+
+    def measure(k: int, drafter: Drafter | None) -> dict[str, Any]:
+        deadline = b.deadline()
+        max_tokens = (k + 1) * (WARMUP_STEPS + s.verify_steps + 2)
+        max_len = s.verify_prompt + max_tokens + 2 * k + 8
+        core = b.core(1, max_len, k, drafter)
+        seqs = b.add(core, 1, s.verify_prompt, max_tokens, max_len)
+        _, _, done = b.prefill(core, seqs, deadline)
+        if not done:
+            return {"k": k, "capped": True, "note": "time cap reached during prefill"}
+        run = b.decode(core, seqs, s.verify_steps, deadline)
+        accepted = seqs[0].metrics.accepted_lengths
+        run |= {"k": k, "mean_accepted": statistics.fmean(accepted) if accepted else None}
+        if run["decode_steps"]:
+            bytes_ = step_bytes(
+                b.counts,
+                b.config,
+                b.dtype,
+                seqs=1,
+                tokens_per_seq=k + 1,
+                context=run["mean_context"],
+                state_writes=k + 1,
+            )
+            run["step_bytes"] = bytes_.total
+            tokens_per_step = run["decode_tokens"] / run["decode_steps"]
+            run |= roofline(bytes_, tokens_per_step, run["tokens_per_s"], b.bandwidth)
+        return run
+
+    plain = guarded("plain decode step", lambda: measure(0, None))
+    points = [plain]
+    for k in (1, 2, 3):
+        points.append(guarded(f"verify k={k}", lambda k=k: measure(k, repeat_last_drafter)))
+        if b.model.mtp is not None:
+            points.append(guarded(f"MTP step k={k}", lambda k=k: measure(k, None)))
+    base_ms, base_bytes = plain.get("ms_per_step"), plain.get("step_bytes")
+    for point in points:
+        if point is plain or not point.get("ms_per_step") or not base_ms:
+            continue
+        point["ratio_vs_plain"] = point["ms_per_step"] / base_ms
+        point["roofline_ratio"] = point["step_bytes"] / base_bytes
+        point["note"] = (
+            f"{point['ratio_vs_plain']:.2f}x a plain step ({point['ms_per_step']:.1f} vs {base_ms:.1f} ms); "
+            f"bytes {point['roofline_ratio']:.2f}x"
+        )
+    if base_ms:
+        plain["note"] = f"{base_ms:.1f} ms/step"
+    return points
+
+
+RUNNERS: dict[str, tuple[str, Callable[[Bench], list[dict[str, Any]]]]] = {
+    "a": ("single stream", single_stream),
+    "b": ("batch decode", batch_decode),
+    "c": ("prefill", prefill),
+    "d": ("documents", documents),
+    "e": ("long context", long_context),
+    "f": ("MTP verify vs plain step", mtp_verify),
+}

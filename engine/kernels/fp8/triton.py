@@ -1,0 +1,226 @@
+"""Triton w8a8 block FP8: per-token-group activation quantisation, then a GEMM on the e4m3 tiles.
+
+`fp8_block_linear` runs two kernels: the quantiser writes x as e4m3 plus one fp32 scale per (token, 128
+channels), and the GEMM walks K one scale block (BLOCK_K = 128) at a time, so each K step is one e4m3
+`tl.dot` scaled by x_scale[m, kb] * w_scale[n // 128, kb] before it joins the fp32 accumulator. Edge blocks
+(N or K not multiples of 128) are masked to zero on both sides.
+"""
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.fp8 import reference
+from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) by the largest token count they serve; BLOCK_K is the scale block.
+# Small batches are bound by reading the weight, so narrow N tiles spread it over more programs.
+_CONFIGS = ((16, 64, 4, 4), (32, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3))
+_CONFIG_MAX_M = (16, 32, 64)
+_GROUP_M = 8  # M tiles that walk the same N tiles together, so weight tiles are reused from L2
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    # v [BM, BG] fp32 with |v| <= 448, rounded (to nearest even) onto the e4m3 grid in fp32, so the cast after
+    # it is exact. Triton's interpreter casts fp32 -> e4m3 without the carry into the exponent (1.97 becomes
+    # 1.0); rounding here makes the GPU and the interpreter agree with torch bit for bit.
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000  # keep 3 mantissa bits, ties to even
+    normal = bits.to(tl.float32, bitcast=True)
+    # Below 2**-6 e4m3 is subnormal, with a fixed step of 2**-9: adding 2**14 (fp32 step 2**-9) rounds to it.
+    small = ((tl.abs(v) + 16384.0) - 16384.0).to(tl.uint32, bitcast=True)
+    small = (small | (v.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32, bitcast=True)  # v's sign
+    return tl.where(tl.abs(v) < 0.015625, small, normal)
+
+
+@triton.jit
+def _quantize_kernel(
+    x,  # [M, K]
+    q,  # [M, K] e4m3, contiguous
+    s,  # [M, G] fp32 scales, contiguous
+    M,
+    K,
+    G,
+    GROUP,
+    stride_xm,
+    stride_xk,
+    fp8_max,
+    eps,
+    BLOCK_M: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    i_m, i_g = tl.program_id(0), tl.program_id(1)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_c = tl.arange(0, BLOCK_G)
+    o_k = i_g * GROUP + o_c
+    m_m = o_m < M
+    mask = m_m[:, None] & ((o_c < GROUP) & (o_k < K))[None, :]
+    b_x = tl.load(x + o_m[:, None] * stride_xm + o_k[None, :] * stride_xk, mask=mask, other=0.0).to(
+        tl.float32
+    )
+    amax = tl.maximum(tl.max(tl.abs(b_x), axis=1), eps)  # [BLOCK_M]
+    # div_rn: Triton's `/` on fp32 is approximate on the GPU; the reference divides exactly.
+    scale = tl.math.div_rn(amax, fp8_max)
+    b_q = tl.math.div_rn(b_x, scale[:, None])
+    b_q = _round_to_e4m3(tl.minimum(tl.maximum(b_q, -fp8_max), fp8_max))
+    tl.store(q + o_m[:, None] * K + o_k[None, :], b_q.to(tl.float8e4nv), mask=mask)
+    tl.store(s + o_m * G + i_g, scale, mask=m_m)
+
+
+@triton.jit
+def _block_fp8_matmul_kernel(
+    a,  # [M, K] e4m3 activations
+    a_s,  # [M, KB] fp32 per-token-group scales
+    b,  # [N, K] e4m3 weight
+    b_s,  # [NB, KB] fp32 weight block scales
+    bias,  # [N] (only read if HAS_BIAS)
+    c,  # [M, N] output
+    M,
+    N,
+    K,
+    GROUP_N,  # weight rows per scale block
+    stride_am,
+    stride_ak,
+    stride_asm,
+    stride_ask,
+    stride_bn,
+    stride_bk,
+    stride_bsn,
+    stride_bsk,
+    stride_cm,
+    stride_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # = the K scale block
+    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    USE_FP8_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    i_m = first_m + (pid % (GROUP_M * num_n)) % group_rows
+    i_n = (pid % (GROUP_M * num_n)) // group_rows
+
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    m_m = o_m < M
+    m_n = o_n < N
+    p_a = a + o_m[:, None] * stride_am + o_k[None, :] * stride_ak  # [BM, BK]
+    p_b = b + o_n[None, :] * stride_bn + o_k[:, None] * stride_bk  # [BK, BN]
+    p_as = a_s + o_m * stride_asm  # [BM]
+    p_bs = b_s + (o_n // GROUP_N) * stride_bsn  # [BN]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        m_k = o_k < K - kb * BLOCK_K
+        b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_b = tl.load(p_b, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        s_a = tl.load(p_as + kb * stride_ask, mask=m_m, other=0.0)
+        s_b = tl.load(p_bs + kb * stride_bsk, mask=m_n, other=0.0)
+        if not USE_FP8_DOT:
+            # Before sm_89: e4m3 values are exact in fp16, and the dot still accumulates in fp32.
+            b_a, b_b = b_a.to(tl.float16), b_b.to(tl.float16)
+        acc += tl.dot(b_a, b_b) * s_a[:, None] * s_b[None, :]  # e4m3 x e4m3 -> fp32 on sm_89+
+        p_a += BLOCK_K * stride_ak
+        p_b += BLOCK_K * stride_bk
+
+    if HAS_BIAS:
+        acc += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+    p_c = c + o_m[:, None] * stride_cm + o_n[None, :] * stride_cn
+    tl.store(p_c, acc.to(c.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+@functools.cache
+def _has_fp8_dot(device: torch.device) -> bool:
+    # e4m3 tensor-core dots need sm_89+ (Ada, Hopper); the interpreter (CPU tensors) emulates them.
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def quantize_fp8_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    k = x.shape[-1]
+    groups = triton.cdiv(k, group)
+    m = math.prod(x.shape[:-1])
+    x2 = x.reshape(m, k)  # [M, K], a view where the strides allow
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m > 0 and k > 0:
+        block_m = min(16, triton.next_power_of_2(m))
+        grid = (triton.cdiv(m, block_m), groups)
+        _quantize_kernel[grid](
+            x2,
+            q,
+            s,
+            m,
+            k,
+            groups,
+            group,
+            x2.stride(0),
+            x2.stride(1),
+            FP8_MAX,
+            AMAX_EPS,
+            BLOCK_M=block_m,
+            BLOCK_G=triton.next_power_of_2(group),
+        )
+    return q.view(*x.shape[:-1], k), s.view(*x.shape[:-1], groups)
+
+
+def fp8_block_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: tuple[int, int] = (128, 128),
+) -> torch.Tensor:
+    bn, bk = block
+    if bk < 16 or bk & (bk - 1):
+        # BLOCK_K is the K scale block and tl.dot needs a power of two >= 16; real checkpoints use 128.
+        return reference.fp8_block_linear(x, weight, weight_scale_inv, bias, block)
+    k = x.shape[-1]
+    n = weight.shape[0]
+    x_q, x_s = quantize_fp8_per_token_group(
+        x.reshape(math.prod(x.shape[:-1]), k), bk
+    )  # [M, K] e4m3, [M, KB] fp32
+    m = x_q.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m > 0 and n > 0:
+        index = next((i for i, top in enumerate(_CONFIG_MAX_M) if m <= top), len(_CONFIG_MAX_M))
+        block_m, block_n, num_warps, num_stages = _CONFIGS[index]
+        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+        _block_fp8_matmul_kernel[grid](
+            x_q,
+            x_s,
+            weight,
+            weight_scale_inv,
+            bias if bias is not None else out,
+            out,
+            m,
+            n,
+            k,
+            bn,
+            x_q.stride(0),
+            x_q.stride(1),
+            x_s.stride(0),
+            x_s.stride(1),
+            weight.stride(0),
+            weight.stride(1),
+            weight_scale_inv.stride(0),
+            weight_scale_inv.stride(1),
+            out.stride(0),
+            out.stride(1),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=bk,
+            GROUP_M=_GROUP_M,
+            HAS_BIAS=bias is not None,
+            USE_FP8_DOT=_has_fp8_dot(x.device),
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+    return out.view(*x.shape[:-1], n)
