@@ -6,7 +6,7 @@ from engine.kernels import dispatch
 from engine.kernels.attention import reference
 from engine.kernels.layout import SeqLayout
 
-dispatch.register("attention", torch=reference.attention)
+dispatch.register("attention", torch=reference.attention, triton="engine.kernels.attention.triton:attention")
 
 
 def attention(
