@@ -6,7 +6,9 @@ from engine.kernels import dispatch
 from engine.kernels.conv1d import reference
 from engine.kernels.layout import SeqLayout
 
-dispatch.register("causal_conv1d", torch=reference.causal_conv1d)
+dispatch.register(
+    "causal_conv1d", torch=reference.causal_conv1d, triton="engine.kernels.conv1d.triton:causal_conv1d"
+)
 
 
 def causal_conv1d(

@@ -5,8 +5,10 @@ import torch
 from engine.kernels import dispatch
 from engine.kernels.norm import reference
 
-dispatch.register("rms_norm", torch=reference.rms_norm)
-dispatch.register("gated_rms_norm", torch=reference.gated_rms_norm)
+dispatch.register("rms_norm", torch=reference.rms_norm, triton="engine.kernels.norm.triton:rms_norm")
+dispatch.register(
+    "gated_rms_norm", torch=reference.gated_rms_norm, triton="engine.kernels.norm.triton:gated_rms_norm"
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = True) -> torch.Tensor:

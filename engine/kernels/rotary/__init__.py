@@ -6,7 +6,9 @@ from engine.kernels import dispatch
 from engine.kernels.rotary import reference
 
 dispatch.register("rotary_cos_sin", torch=reference.rotary_cos_sin)
-dispatch.register("apply_rotary", torch=reference.apply_rotary)
+dispatch.register(
+    "apply_rotary", torch=reference.apply_rotary, triton="engine.kernels.rotary.triton:apply_rotary"
+)
 
 
 def rotary_cos_sin(
