@@ -27,7 +27,11 @@ def attention(
         _short(q, k_rows, v_rows, layout, scale, out)
     for i in layout.long_seqs:
         start, n, ctx = layout.cu_seqlens[i], layout.query_lens[i], layout.context_lens[i]
-        rows = torch.tensor(layout.kv_index(list(range(ctx + n)), i), device=q.device)
+        rows = layout._cached(
+            ("attention_rows", i),
+            q.device,
+            lambda i=i, m=ctx + n: torch.tensor(layout.kv_index(list(range(m)), i)),
+        )
         # 4-D [1, H, m, D]: torch's fused CPU kernel only takes the batched layout (3-D falls back to math).
         keys = k_rows[rows].to(q.dtype).transpose(0, 1)[None]
         values = v_rows[rows].to(q.dtype).transpose(0, 1)[None]
@@ -46,8 +50,9 @@ def attention(
     return out
 
 
-def _short_index(layout: SeqLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For the short sequences, padded to B x n and B x m: token index, KV row, query mask, key validity."""
+def _short_index(layout: SeqLayout) -> tuple[torch.Tensor, ...]:
+    """For the short sequences, padded to B x n and B x m: token index, KV row, query mask, key validity,
+    real (not padding) query rows."""
     seqs = layout.short_seqs
     n_max = max(layout.query_lens[i] for i in seqs)
     m = max(layout.context_lens[i] + layout.query_lens[i] for i in seqs)
@@ -60,8 +65,9 @@ def _short_index(layout: SeqLayout) -> tuple[torch.Tensor, torch.Tensor, torch.T
         rows[b, : ctx + n] = torch.tensor(layout.kv_index(list(range(ctx + n)), i))
         allowed[b, :n] = torch.ones(n, m, dtype=torch.bool).tril(ctx)
         allowed[b, n:, 0] = True  # padding queries see one key so softmax stays finite; dropped below
-    valid = allowed.any(1)  # [B, m] keys some real query reads
-    return tokens, rows, allowed, valid
+    live = torch.arange(n_max)[None, :] < torch.tensor([layout.query_lens[i] for i in seqs])[:, None]
+    valid = (allowed & live[:, :, None]).any(1)  # [B, m] keys some real query reads
+    return tokens, rows, allowed, valid, live
 
 
 def _short(q, k_rows, v_rows, layout: SeqLayout, scale: float, out: torch.Tensor) -> None:
@@ -69,7 +75,7 @@ def _short(q, k_rows, v_rows, layout: SeqLayout, scale: float, out: torch.Tensor
     key = ("attention_short", q.device)
     if key not in layout._tensors:
         layout._tensors[key] = tuple(t.to(q.device) for t in _short_index(layout))
-    tokens, rows, allowed, valid = layout._tensors[key]
+    tokens, rows, allowed, valid, live = layout._tensors[key]
     hidden = ~valid[:, None, :, None]
     # Rows past a sequence's end hold stale data (NaN included): zero them, since 0 * NaN = NaN.
     keys = k_rows[rows].to(q.dtype).transpose(1, 2).masked_fill(hidden, 0.0)  # [B, Hkv, m, D]
@@ -78,6 +84,4 @@ def _short(q, k_rows, v_rows, layout: SeqLayout, scale: float, out: torch.Tensor
     o = F.scaled_dot_product_attention(
         query, keys, values, attn_mask=allowed[:, None], scale=scale, enable_gqa=True
     ).transpose(1, 2)  # [B, n, Hq, D]
-    for b, i in enumerate(layout.short_seqs):
-        n, start = layout.query_lens[i], layout.cu_seqlens[i]
-        out[start : start + n] = o[b, :n]
+    out[tokens[live]] = o[live]  # padding rows dropped
