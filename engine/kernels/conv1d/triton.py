@@ -18,8 +18,7 @@ from engine.kernels.layout import SeqLayout
 # reaches back into the slot's cached inputs.
 MAX_TILE = 32
 
-# Columns of the [N, 4] int32 per-sequence table the kernel reads.
-_START, _LEN, _SLOT, _FLAGS = range(4)
+# Bits of the flags column of the per-sequence table.
 _HAS_CONTEXT, _KEEPS_STATES = 1, 2
 
 
