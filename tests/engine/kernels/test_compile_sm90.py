@@ -1,0 +1,664 @@
+"""Every Triton kernel compiles for an H200 (sm_90), without a GPU.
+
+CI runs the kernels in Triton's interpreter, which accepts code the compiler rejects (a variable re-bound to
+another shape under a run-time `if`, integer masks, ...). This test lowers each `@triton.jit` kernel in
+engine/kernels/*/triton.py all the way to a cubin for `GPUTarget("cuda", 90, 32)` (ptxas ships with the
+Triton wheel), for the constexpr combinations its launcher picks at Qwen3.5-35B-A3B's shapes (bf16, plus the
+fp32 variants where the launcher picks other constexprs by dtype), and checks that each fits an H200's shared
+memory.
+
+`@triton.jit` returns an uncompilable InterpretedFunction when TRITON_INTERPRET is set (conftest.py sets it
+on CPU-only machines, and other tests here import the kernel modules under it), so the compilation runs in
+subprocesses without it (two on two cores, each taking every other variant).
+`python -m tests.engine.kernels.test_compile_sm90 [substring ...]` runs it by hand, printing one line per
+compiled variant (name, error, shared memory, seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+# Shared memory one block of an H200 may opt into (cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90).
+SM90_MAX_SHARED = 232448
+RESULT, SKIP = "COMPILE-RESULT ", "COMPILE-SKIP "
+
+
+@pytest.mark.slow  # 40-50 s on 2 cores with a cold Triton cache, 5 s warm
+def test_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # One subprocess per core (at most two), each compiling every n-th variant.
+    n = max(1, min(2, os.cpu_count() or 1))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.engine.kernels.test_compile_sm90", f"--shard={i}/{n}"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(n)
+    ]
+    try:
+        outputs = [proc.communicate(timeout=600) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    lines = [line for stdout, _ in outputs for line in stdout.splitlines()]
+    skip = [line[len(SKIP) :] for line in lines if line.startswith(SKIP)]
+    if skip:
+        pytest.skip(f"no offline CUDA backend in this Triton: {skip[0]}")
+    for proc, (_, stderr) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, f"compile subprocess failed (rc {proc.returncode}):\n{stderr[-8000:]}"
+    results = [json.loads(line[len(RESULT) :]) for line in lines if line.startswith(RESULT)]
+    assert sorted(r["name"] for r in results) == sorted(c.name for c in _cases()), "variants went unreported"
+    failed = [r for r in results if r["error"]]
+    report = "\n\n".join(f"=== {r['name']}\n{r['error']}" for r in failed)
+    assert not failed, (
+        f"{len(failed)} of {len(results)} kernel variants do not compile for sm_90:\n\n{report}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The variants. Kernel arguments are given by name: "*bf16" is a pointer (16-byte aligned, as torch's
+# allocations and the model's views are), an int a run-time integer (specialised as the launcher does: 1
+# becomes a constexpr, multiples of 16 get tt.divisibility), a float an fp32 scalar; constexpr parameters
+# take their value. Integers that vary per batch (token counts, table widths) are given as 17, unspecialised.
+
+
+@dataclass
+class Case:
+    name: str
+    module: str  # engine.kernels.<module>.triton
+    kernel: str
+    args: dict[str, Any]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+ANY = 17  # a run-time size with no divisibility
+HIDDEN, HEAD_DIM, HQ, HKV, GROUP = 2048, 256, 16, 2, 8
+KV_BLOCK = 16  # the engine's default block_size
+LIN_HK, LIN_HV, LIN_D, CONV_K = 16, 32, 128, 4
+CONV_DIM = 2 * LIN_HK * LIN_D + LIN_HV * LIN_D  # 8192: [q | k | v] of the DeltaNet
+QKVZ = CONV_DIM + LIN_HV * LIN_D  # in_proj_qkvz output width
+EXPERTS, TOP_K, MOE_INTER = 256, 8, 512
+
+
+def _attention_cases() -> list[Case]:
+    cases = []
+    # BLOCK_M = max(16, next_pow2(new tokens * GROUP)): decode (1-2 tokens) 16, 3-4 tokens 32, 5-8 64.
+    for dt, precision in (("bf16", "tf32"), ("fp32", "ieee")):
+        # fp32 (ieee dots, 4-5 s each to compile): the narrow tile without split, the wide one with.
+        for block_m in (16, 32, 64) if dt == "bf16" else (16, 64):
+            wide = block_m * HEAD_DIM >= 64 * 256
+            for splits in (1, 33) if dt == "bf16" else ((33,) if wide else (1,)):
+                split = splits > 1
+                cases.append(
+                    Case(
+                        f"attention {dt} BLOCK_M={block_m} NUM_SPLITS={splits}",
+                        "attention",
+                        "_paged_attention_kernel",
+                        dict(
+                            q_ptr=f"*{dt}",
+                            k_cache_ptr=f"*{dt}",
+                            v_cache_ptr=f"*{dt}",
+                            out_ptr="*fp32" if split else f"*{dt}",
+                            lse_ptr="*fp32" if split else f"*{dt}",
+                            block_tables_ptr="*i32",
+                            seq_info_ptr="*i32",
+                            scale_log2=HEAD_DIM**-0.5 * 1.4426950408889634,
+                            stride_qt=HQ * HEAD_DIM,
+                            stride_qh=HEAD_DIM,
+                            stride_kb=KV_BLOCK * HKV * HEAD_DIM,
+                            stride_kr=HKV * HEAD_DIM,
+                            stride_kh=HEAD_DIM,
+                            stride_vb=KV_BLOCK * HKV * HEAD_DIM,
+                            stride_vr=HKV * HEAD_DIM,
+                            stride_vh=HEAD_DIM,
+                            stride_ot=0 if split else HQ * HEAD_DIM,
+                            stride_oh=0 if split else HEAD_DIM,
+                            stride_bt=ANY,
+                            GROUP=GROUP,
+                            KV_BLOCK=KV_BLOCK,
+                            HEAD_DIM=HEAD_DIM,
+                            BLOCK_D=HEAD_DIM,
+                            BLOCK_M=block_m,
+                            BLOCK_N=64,
+                            NUM_SPLITS=splits,
+                            USE_SPLIT=split,
+                            DOT_PRECISION=precision,
+                        ),
+                        dict(num_warps=8 if wide else 4, num_stages=2 if wide else 3),
+                    )
+                )
+    # The merge after a split: 2..128 slices (BLOCK_S their next power of two).
+    for dt, block_m, splits in (("bf16", 16, 2), ("bf16", 64, 33), ("bf16", 32, 128), ("fp32", 16, 5)):
+        cases.append(
+            Case(
+                f"attention merge {dt} BLOCK_M={block_m} NUM_SPLITS={splits}",
+                "attention",
+                "_merge_splits_kernel",
+                dict(
+                    part_ptr="*fp32",
+                    lse_ptr="*fp32",
+                    out_ptr=f"*{dt}",
+                    seq_info_ptr="*i32",
+                    stride_ot=HQ * HEAD_DIM,
+                    stride_oh=HEAD_DIM,
+                    GROUP=GROUP,
+                    HEAD_DIM=HEAD_DIM,
+                    BLOCK_D=HEAD_DIM,
+                    BLOCK_M=block_m,
+                    NUM_SPLITS=splits,
+                    BLOCK_S=1 << (splits - 1).bit_length(),
+                ),
+                dict(num_warps=4),
+            )
+        )
+    return cases
+
+
+def _conv_cases() -> list[Case]:
+    cases = []
+    # BT: one tile per sequence up to 32 tokens (next power of two of the longest), else 32-token tiles; BC
+    # from a 4096-element tile budget (8192 with per-token states, [BT, BC, BKM1]), capped at 1024.
+    for state_out in (False, True):
+        for bt in (1, 2, 4, 8, 16, 32):
+            budget, per = (8192, 4) if state_out else (4096, 1)
+            bc = min(1024, max(16, budget // (bt * per)))
+            for silu in (True, False) if bt == 1 and not state_out else (True,):
+                cases.append(
+                    Case(
+                        f"conv1d bf16 BT={bt} BC={bc} USE_STATE_OUT={state_out} USE_SILU={silu}",
+                        "conv1d",
+                        "_conv_kernel",
+                        dict(
+                            x="*bf16",
+                            weight="*bf16",
+                            state="*bf16",
+                            out="*bf16",
+                            seqs="*i32",
+                            tiles="*i32",
+                            token_slots="*i32",
+                            stride_xt=QKVZ,  # a column slice of in_proj_qkvz's output
+                            stride_wc=CONV_K,
+                            stride_wk=1,
+                            stride_ss=CONV_DIM * (CONV_K - 1),
+                            stride_sc=CONV_K - 1,
+                            stride_sk=1,
+                            C=CONV_DIM,
+                            K=CONV_K,
+                            BT=bt,
+                            BC=bc,
+                            BKM1=4,
+                            USE_SILU=silu,
+                            USE_STATE_OUT=state_out,
+                        ),
+                        dict(num_warps=4),
+                    )
+                )
+    return cases
+
+
+def _fp8_cases() -> list[Case]:
+    cases = []
+    # Activation quantisation: BLOCK_M = min(16, next_pow2(tokens)), 128-channel groups.
+    for dt, block_m, k in (
+        ("bf16", 1, HIDDEN),
+        ("bf16", 4, 4096),
+        ("bf16", 16, MOE_INTER),
+        ("fp32", 16, HIDDEN),
+    ):
+        cases.append(
+            Case(
+                f"fp8 quantize {dt} BLOCK_M={block_m} K={k}",
+                "fp8",
+                "_quantize_kernel",
+                dict(
+                    x=f"*{dt}",
+                    q="*fp8e4nv",
+                    s="*fp32",
+                    M=ANY,
+                    K=k,
+                    G=k // 128,
+                    GROUP=128,
+                    stride_xm=k,
+                    stride_xk=1,
+                    fp8_max=448.0,
+                    eps=1e-10,
+                    BLOCK_M=block_m,
+                    BLOCK_G=128,
+                ),
+            )
+        )
+    # The block GEMM: every (BLOCK_M, BLOCK_N, warps, stages) of _CONFIGS at qkv_proj's shape (K 2048), the
+    # shared expert's down_proj (K 512: 4 scale blocks, unaligned scale strides), a bias, an fp32 output.
+    gemms = [
+        ("bf16", 16, 64, 4, 4, 9216, HIDDEN, False),
+        ("bf16", 32, 64, 4, 4, 9216, HIDDEN, False),
+        ("bf16", 64, 128, 4, 4, 9216, HIDDEN, False),
+        ("bf16", 128, 128, 8, 3, 9216, HIDDEN, False),
+        ("bf16", 16, 64, 4, 4, HIDDEN, MOE_INTER, False),
+        ("bf16", 64, 128, 4, 4, QKVZ, HIDDEN, True),
+        ("fp32", 128, 128, 8, 3, HIDDEN, 4096, False),
+    ]
+    for dt, block_m, block_n, warps, stages, n, k, bias in gemms:
+        kb = k // 128
+        cases.append(
+            Case(
+                f"fp8 matmul {dt} BLOCK_M={block_m} BLOCK_N={block_n} N={n} K={k} HAS_BIAS={bias}",
+                "fp8",
+                "_block_fp8_matmul_kernel",
+                dict(
+                    a="*fp8e4nv",
+                    a_s="*fp32",
+                    b="*fp8e4nv",
+                    b_s="*fp32",
+                    bias=f"*{dt}",
+                    c=f"*{dt}",
+                    M=ANY,
+                    N=n,
+                    K=k,
+                    GROUP_N=128,
+                    stride_am=k,
+                    stride_ak=1,
+                    stride_asm=kb,
+                    stride_ask=1,
+                    stride_bn=k,
+                    stride_bk=1,
+                    stride_bsn=kb,
+                    stride_bsk=1,
+                    stride_cm=n,
+                    stride_cn=1,
+                    BLOCK_M=block_m,
+                    BLOCK_N=block_n,
+                    BLOCK_K=128,
+                    GROUP_M=8,
+                    HAS_BIAS=bias,
+                    USE_FP8_DOT=True,  # sm_89+
+                ),
+                dict(num_warps=warps, num_stages=stages),
+            )
+        )
+    return cases
+
+
+def _gated_delta_cases() -> list[Case]:
+    cases = []
+    # BV = 32; 4 warps with few (sequence, head) programs, else 1.
+    for state_out in (False, True):
+        for warps in (4, 1):
+            cases.append(
+                Case(
+                    f"gated_delta bf16 USE_STATE_OUT={state_out} num_warps={warps}",
+                    "gated_delta",
+                    "_recurrent_kernel",
+                    dict(
+                        q="*bf16",
+                        k="*bf16",
+                        v="*bf16",
+                        g="*fp32",
+                        beta="*bf16",
+                        state="*fp32",
+                        out="*bf16",
+                        seqs="*i32",
+                        token_slots="*i32",
+                        stride_qt=CONV_DIM,  # column slices of the conv output
+                        stride_qh=LIN_D,
+                        stride_kt=CONV_DIM,
+                        stride_kh=LIN_D,
+                        stride_vt=CONV_DIM,
+                        stride_vh=LIN_D,
+                        stride_gt=LIN_HV,
+                        stride_gh=1,
+                        stride_bt=LIN_HV,
+                        stride_bh=1,
+                        stride_ss=LIN_HV * LIN_D * LIN_D,
+                        stride_sh=LIN_D * LIN_D,
+                        stride_sk=LIN_D,
+                        stride_sv=1,
+                        HV=LIN_HV,
+                        RATIO=LIN_HV // LIN_HK,
+                        DK=LIN_D,
+                        DV=LIN_D,
+                        scale=LIN_D**-0.5,
+                        BK=LIN_D,
+                        BV=32,
+                        USE_STATE_OUT=state_out,
+                    ),
+                    dict(num_warps=warps),
+                )
+            )
+    return cases
+
+
+def _moe_cases() -> list[Case]:
+    cases = []
+    for dt, renorm in (("bf16", True), ("bf16", False), ("fp32", True)):
+        cases.append(
+            Case(
+                f"moe route {dt} USE_RENORM={renorm}",
+                "moe",
+                "_route_kernel",
+                dict(
+                    logits_ptr=f"*{dt}",
+                    weights_ptr="*fp32",
+                    ids_ptr="*i64",
+                    num_experts=EXPERTS,
+                    stride_lt=EXPERTS,
+                    stride_le=1,
+                    TOP_K=TOP_K,
+                    BLOCK_E=EXPERTS,
+                    BLOCK_K=TOP_K,
+                    USE_RENORM=renorm,
+                ),
+                dict(num_warps=1),
+            )
+        )
+    # moe._config: three row buckets, halved BLOCK_K and fewer stages for fp32 (which also uses ieee dots).
+    configs = {
+        "bf16": ((16, 32, 128, 4), (32, 64, 64, 4), (64, 64, 64, 3)),
+        "fp32": ((16, 32, 64, 3), (32, 64, 32, 3), (64, 64, 32, 2)),
+    }
+    for dt, buckets in configs.items():
+        precision = "ieee" if dt == "fp32" else "tf32"
+        for block_m, block_n, block_k, stages in buckets:
+            blocks = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision)
+            launch = dict(num_warps=4, num_stages=stages)
+            tag = f"{dt} BLOCK_M={block_m} BLOCK_N={block_n} BLOCK_K={block_k}"
+            common = dict(
+                sorted_pairs_ptr="*i32",
+                block_experts_ptr="*i64",
+                num_pairs=ANY,
+                hidden=HIDDEN,
+                inter=MOE_INTER,
+                num_experts=EXPERTS,
+            )
+            cases.append(
+                Case(
+                    f"moe gate_up {tag}",
+                    "moe",
+                    "_gate_up_kernel",
+                    dict(
+                        x_ptr=f"*{dt}",
+                        w13_ptr=f"*{dt}",
+                        act_ptr=f"*{dt}",
+                        **common,
+                        stride_xt=HIDDEN,
+                        stride_xh=1,
+                        stride_we=2 * MOE_INTER * HIDDEN,
+                        stride_wn=HIDDEN,
+                        stride_wh=1,
+                        stride_ap=MOE_INTER,
+                        stride_ai=1,
+                        TOP_K=TOP_K,
+                        **blocks,
+                    ),
+                    launch,
+                )
+            )
+            cases.append(
+                Case(
+                    f"moe down {tag}",
+                    "moe",
+                    "_down_kernel",
+                    dict(
+                        act_ptr=f"*{dt}",
+                        w2_ptr=f"*{dt}",
+                        weights_ptr="*fp32",
+                        out_ptr=f"*{dt}",
+                        **common,
+                        stride_ap=MOE_INTER,
+                        stride_ai=1,
+                        stride_we=HIDDEN * MOE_INTER,
+                        stride_wh=MOE_INTER,
+                        stride_wi=1,
+                        stride_op=HIDDEN,
+                        stride_oh=1,
+                        **blocks,
+                    ),
+                    launch,
+                )
+            )
+    return cases
+
+
+def _norm_cases() -> list[Case]:
+    cases = []
+
+    def norm(name, dt, w_dt, strides, b, d, br, gated, zero_centered, rounded):
+        cases.append(
+            Case(
+                f"norm {name} {dt} BR={br} BD={d}",
+                "norm",
+                "_rms_norm_kernel",
+                dict(
+                    x=f"*{dt}",
+                    weight=f"*{w_dt}",
+                    gate=f"*{dt}",
+                    out=f"*{dt}",
+                    stride_xa=strides[0],
+                    stride_xb=strides[1],
+                    stride_ga=strides[2],
+                    stride_gb=strides[3],
+                    B=b,
+                    R=ANY,
+                    D=d,
+                    eps=1e-6,
+                    BR=br,
+                    BD=d,
+                    IS_GATED=gated,
+                    IS_ZERO_CENTERED=zero_centered,
+                    IS_ROUNDED_PRODUCT=rounded,
+                ),
+                dict(num_warps=4),
+            )
+        )
+
+    # BR = min(4096 // BD, next_pow2(rows)). Hidden [T, 2048] as [1, T, D]: 1 or 2 rows.
+    for br in (1, 2):
+        norm(
+            "hidden",
+            "bf16",
+            "bf16",
+            (ANY * HIDDEN, HIDDEN, ANY * HIDDEN, HIDDEN),
+            ANY,
+            HIDDEN,
+            br,
+            False,
+            True,
+            False,
+        )
+    # q norm: [T, 16, 256] inside [T, 16, q | gate]; k norm: [T, 2, 256] inside the qkv_proj output (2+ rows).
+    norm("q", "bf16", "bf16", (HQ * 2 * HEAD_DIM, 2 * HEAD_DIM) * 2, HQ, HEAD_DIM, 16, False, True, False)
+    qkv = HQ * 2 * HEAD_DIM + 2 * HKV * HEAD_DIM
+    for br in (2, 4, 8, 16):
+        norm("k", "bf16", "bf16", (qkv, HEAD_DIM) * 2, HKV, HEAD_DIM, br, False, True, False)
+    norm("plain", "bf16", "bf16", (ANY * HIDDEN, HIDDEN) * 2, ANY, HIDDEN, 2, False, False, False)
+    # Gated: [T, 32, 128] with z's column slice of in_proj_qkvz as the gate; the product is rounded to bf16
+    # when the weight is bf16 too, not with an fp32 weight or fp32 activations.
+    gated_strides = (LIN_HV * LIN_D, LIN_D, QKVZ, LIN_D)
+    norm("gated rounded", "bf16", "bf16", gated_strides, LIN_HV, LIN_D, 32, True, False, True)
+    norm("gated fp32-weight", "bf16", "fp32", gated_strides, LIN_HV, LIN_D, 32, True, False, False)
+    norm("gated", "fp32", "fp32", gated_strides, LIN_HV, LIN_D, 32, True, False, False)
+    norm("hidden", "fp32", "fp32", (ANY * HIDDEN, HIDDEN) * 2, ANY, HIDDEN, 2, False, True, False)
+    return cases
+
+
+def _rotary_cases() -> list[Case]:
+    cases = []
+    # q [T, 16, 256] and k [T, 2, 256] (the norms' contiguous outputs), cos/sin [T, 64] fp32.
+    for dt, heads in (("bf16", HQ), ("bf16", HKV), ("fp32", HQ)):
+        cases.append(
+            Case(
+                f"rotary {dt} BH={heads} BD={HEAD_DIM}",
+                "rotary",
+                "_rotary_kernel",
+                dict(
+                    x=f"*{dt}",
+                    cos="*fp32",
+                    sin="*fp32",
+                    out=f"*{dt}",
+                    stride_xt=heads * HEAD_DIM,
+                    stride_xh=HEAD_DIM,
+                    stride_ct=64,
+                    stride_cd=1,
+                    stride_st=64,
+                    stride_sd=1,
+                    H=heads,
+                    D=HEAD_DIM,
+                    RD=64,
+                    BH=heads,
+                    BD=HEAD_DIM,
+                ),
+                dict(num_warps=4, enable_fp_fusion=False),
+            )
+        )
+    return cases
+
+
+def _cases() -> list[Case]:
+    return [
+        *_attention_cases(),
+        *_conv_cases(),
+        *_fp8_cases(),
+        *_gated_delta_cases(),
+        *_moe_cases(),
+        *_norm_cases(),
+        *_rotary_cases(),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The subprocess side (no TRITON_INTERPRET).
+
+
+def _source(fn, args: dict[str, Any]):
+    """An ASTSource of `fn` for `args`, signature and specialisation as the launcher would make them."""
+    from triton.compiler import ASTSource
+
+    names = list(fn.arg_names)
+    if set(args) != set(names):
+        raise TypeError(
+            f"arguments {sorted(set(names) - set(args))} missing, {sorted(set(args) - set(names))} unknown"
+        )
+    params = {p.name: p for p in fn.params}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(names):
+        value, param = args[name], params[name]
+        aligned = [["tt.divisibility", 16]]
+        if param.is_constexpr:
+            signature[name], constexprs[(i,)] = "constexpr", value
+        elif isinstance(value, str):
+            if not value.startswith("*"):
+                raise TypeError(f"{name}: a pointer is given as '*dtype', got {value!r}")
+            signature[name] = value
+            if not getattr(param, "do_not_specialize_on_alignment", False):
+                attrs[(i,)] = aligned
+        elif isinstance(value, bool):
+            signature[name] = "u1"
+        elif isinstance(value, int):
+            specialize = not getattr(param, "do_not_specialize", False)
+            if specialize and value == 1:
+                signature[name], constexprs[(i,)] = "constexpr", 1
+                continue
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if specialize and value % 16 == 0 and not getattr(param, "do_not_specialize_on_alignment", False):
+                attrs[(i,)] = aligned
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: cannot pass {value!r}")
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def _compile(fn, args: dict[str, Any], options: dict[str, Any]):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    return triton.compile(_source(fn, args), target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _probe() -> str | None:
+    """Why this Triton cannot compile for sm_90 offline, or None when a trivial kernel compiles."""
+    try:
+        import triton
+        import triton.language as tl
+
+        if os.environ.get("TRITON_INTERPRET"):
+            return "TRITON_INTERPRET is set"
+
+        @triton.jit
+        def _probe_kernel(x, n, BLOCK: tl.constexpr):
+            o = tl.arange(0, BLOCK)
+            tl.store(x + o, tl.load(x + o, mask=o < n) + 1.0, mask=o < n)
+
+        _compile(_probe_kernel, dict(x="*fp32", n=ANY, BLOCK=128), dict(num_warps=1))
+    except Exception as e:  # any failure here: no usable backend, reported as a skip
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    return None
+
+
+def _error(case: Case, fn, e: Exception) -> str:
+    """The compiler's message, with the kernel's file and `def` line (a CompilationError's "at R:C" counts
+    rows from that line)."""
+    import inspect
+
+    path = f"engine/kernels/{case.module}/triton.py"
+    line = getattr(fn, "def_file_line_number", None) or inspect.getsourcelines(fn.fn)[1]
+    where = f"{type(e).__name__} in {path}, {case.kernel} (def at line {line})"
+    node = getattr(e, "node", None)
+    if getattr(node, "lineno", None):
+        where += f", error at line {line + node.lineno - 1}"
+    text = str(e)
+    if not hasattr(e, "node"):  # not a front-end error: where in the pipeline it failed
+        text += "\n" + "".join(traceback.format_exception(e)[-4:])
+    return f"{where}:\n{text}"
+
+
+def _main(argv: list[str]) -> None:
+    import importlib
+
+    shard, shards = 0, 1
+    filters = []
+    for arg in argv:
+        if arg.startswith("--shard="):
+            shard, shards = map(int, arg.removeprefix("--shard=").split("/"))
+        else:
+            filters.append(arg)
+    why = _probe()
+    if why is not None:
+        print(SKIP + why, flush=True)
+        return
+    for index, case in enumerate(_cases()):
+        if index % shards != shard or (filters and not any(f in case.name for f in filters)):
+            continue
+        fn = getattr(importlib.import_module(f"engine.kernels.{case.module}.triton"), case.kernel)
+        start, error, shared = time.perf_counter(), "", None
+        try:
+            compiled = _compile(fn, case.args, case.options)
+            shared = compiled.metadata.shared
+            if shared > SM90_MAX_SHARED:
+                error = f"needs {shared} bytes of shared memory, an H200 block has at most {SM90_MAX_SHARED}"
+        except Exception as e:  # report every variant's failure, not just the first
+            error = _error(case, fn, e)
+        seconds = time.perf_counter() - start
+        out = dict(name=case.name, error=error, shared=shared, seconds=round(seconds, 2))
+        print(RESULT + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
