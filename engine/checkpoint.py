@@ -2,7 +2,8 @@
 
 Names are normalised to the text-only layout (`model.layers...`, `lm_head...`, `mtp...`): the
 vision-language release's `model.language_model.` prefix is dropped and `model.visual.*` is ignored.
-Block-FP8 weights are dequantised on read with their `weight_scale_inv`.
+Block-FP8 weights are dequantised on read with their `weight_scale_inv` (`get`), or handed over as stored
+(`get_fp8`) for the native FP8 projections.
 """
 
 from __future__ import annotations
@@ -118,6 +119,30 @@ class CheckpointReader:
 
     def get(self, name: str, dtype: torch.dtype, expected: tuple[int, ...] | None = None) -> torch.Tensor:
         """Read tensor `name` as `dtype` (dequantising FP8), checking its shape against `expected`."""
+        tensor = self._get(name, expected)
+        if tensor.dtype == torch.float8_e4m3fn:
+            return kernels.dequantize_block_fp8(tensor, self._scale(name, tensor), self.fp8_block, dtype)
+        return tensor.to(dtype)
+
+    def is_fp8(self, name: str) -> bool:
+        """Whether tensor `name` is stored as block-scaled e4m3."""
+        file, raw = self._locate(name)
+        return self._handles[file].get_slice(raw).get_dtype() == "F8_E4M3"
+
+    def has_fp8(self) -> bool:
+        """Whether the checkpoint holds block-FP8 weights (an FP8 release)."""
+        return bool(self._scales)
+
+    def get_fp8(
+        self, name: str, expected: tuple[int, ...] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 tensor `name` as stored: (e4m3 weight, its `weight_scale_inv` as fp32, one per block)."""
+        weight = self._get(name, expected)
+        if weight.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"checkpoint {self.path}: tensor {self.display(name)} is not fp8")
+        return weight, self._scale(name, weight).float()
+
+    def _get(self, name: str, expected: tuple[int, ...] | None) -> torch.Tensor:
         file, raw = self._locate(name)
         handle = self._handles[file]
         kind = handle.get_slice(raw).get_dtype()
@@ -131,9 +156,7 @@ class CheckpointReader:
             )
         tensor = self._read(handle, file, raw)
         self.used.add(name)
-        if tensor.dtype == torch.float8_e4m3fn:
-            return self._dequantize(name, tensor, dtype)
-        return tensor.to(dtype)
+        return tensor
 
     def _read(self, handle, file: Path, raw: str) -> torch.Tensor:
         try:
@@ -141,7 +164,8 @@ class CheckpointReader:
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise CheckpointError(f"checkpoint file {file.name}: tensor {raw} is unreadable: {exc}") from None
 
-    def _dequantize(self, name: str, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _scale(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        # The `weight_scale_inv` of FP8 weight `name`: one multiplier per block, shape checked.
         scale_name = name + SCALE_SUFFIX
         if scale_name not in self._scales:
             file, raw = self._where[name]
@@ -158,7 +182,7 @@ class CheckpointReader:
                 f"for {bn}x{bk} blocks"
             )
         self.used.add(scale_name)
-        return kernels.dequantize_block_fp8(weight, scale, self.fp8_block, dtype)
+        return scale
 
     def _locate(self, name: str) -> tuple[Path, str]:
         if name not in self._where:

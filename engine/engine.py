@@ -16,7 +16,7 @@ import torch
 from engine.config import ModelConfig, load_config
 from engine.core import EngineCore, StepFailed
 from engine.errors import EngineError, RequestError
-from engine.loader import load_model
+from engine.loader import load_model, quantization_mode
 from engine.model.model import CausalLM
 from engine.outputs import EngineStats, RequestOutput
 from engine.planner import memory_budget, plan_cache
@@ -134,11 +134,15 @@ class Engine:
         path: str | Path,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
+        quantization: str | None = None,
         **options: Any,
     ) -> Engine:
         """Load the checkpoint directory `path` (config.json, safetensors, optional tokenizer files).
 
         `device` defaults to CUDA when available, else CPU; `dtype` to bfloat16 on CUDA, else float32.
+        `quantization`: None or "none" loads the checkpoint's weights in `dtype` (an FP8 release dequantised);
+        "fp8" runs the dense projections as block-FP8 GEMMs, with an FP8 release's weights as stored and a
+        bf16/fp32 checkpoint's quantised at load (routed experts stay in `dtype` for now).
         `options` are the serving settings of `Engine.__init__`: max_num_seqs, max_num_batched_tokens,
         num_speculative_tokens, max_model_len, kv_cache_memory (bytes), gpu_memory_utilization,
         block_size, max_prefixes, mtp_hidden ("normed": the MTP head reads the final-normed hidden
@@ -146,10 +150,12 @@ class Engine:
         """
         device = _device(device)
         dtype = _dtype(dtype, device)
+        quantization = quantization_mode(quantization)
         config = load_config(path)
         tokenizer = Tokenizer.from_dir(path)
-        model = load_model(path, config, device, dtype)
-        log.info("loaded %s (%s) on %s as %s", path, config.model_type, device, dtype)
+        model = load_model(path, config, device, dtype, quantization)
+        fp8 = ", dense projections in fp8" if quantization else ""
+        log.info("loaded %s (%s) on %s as %s%s", path, config.model_type, device, dtype, fp8)
         return cls(model, config, tokenizer, device, dtype, **options)
 
     @property

@@ -2,41 +2,80 @@
 
 Handles Qwen3.5's separate `in_proj_qkv`/`z`/`b`/`a` and Qwen3-Next's interleaved `in_proj_qkvz`/`in_proj_ba`,
 per-expert (`mlp.experts.{e}.*`) or fused (`mlp.experts.gate_up_proj`) expert tensors, and `mtp.*`.
+With `quantization="fp8"` the dense projections become `Fp8Linear`s (see `fill_fp8`).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from engine import kernels
 from engine.checkpoint import CheckpointReader
 from engine.config import ModelConfig
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, EngineError
+from engine.model.fp8_linear import Fp8Linear, is_fp8_projection, use_fp8_linears_
 from engine.model.model import CausalLM
 
 log = logging.getLogger(__name__)
 
+QUANTIZATIONS = ("none", "fp8")
+
+
+def quantization_mode(value: str | None) -> str | None:
+    """None (the checkpoint's weights in the model dtype, FP8 ones dequantised) or "fp8" (FP8 projections)."""
+    mode = str(value or "none").strip().lower()
+    if mode not in QUANTIZATIONS:
+        raise EngineError(
+            f"unknown quantization {value!r} (use fp8 to run the dense projections in FP8, or none)"
+        )
+    return None if mode == "none" else mode
+
 
 def load_model(
-    path: str | Path, config: ModelConfig, device: torch.device | str, dtype: torch.dtype
+    path: str | Path,
+    config: ModelConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    quantization: str | None = None,
 ) -> CausalLM:
-    """Read the checkpoint at `path` into a `CausalLM` on `device` with floating weights in `dtype`."""
+    """Read the checkpoint at `path` into a `CausalLM` on `device` with floating weights in `dtype`.
+
+    `quantization="fp8"` keeps the dense projections (attention, DeltaNet in/out, shared expert, dense MLP) in
+    128x128 block FP8: an FP8 checkpoint's as stored, a bf16/fp32 checkpoint's quantised here. Routed experts
+    stay in `dtype` (an FP8 checkpoint's dequantised) until a fused FP8 MoE exists.
+    """
+    mode = quantization_mode(quantization)
     block = config.quantization.block if config.quantization else (128, 128)
     reader = CheckpointReader(path, fp8_block=block)
     num_mtp = count_mtp_layers(reader)
     with torch.device("meta"):
         model = CausalLM(config, num_mtp_layers=num_mtp)
     model.to(dtype)  # cast while on meta: materialising fp32 first would need twice the memory
+    mapper = _Mapper(reader, config, dtype, block)
+    fp8 = mapper.fp8_projections(model) if mode == "fp8" else []
+    use_fp8_linears_(model, fp8, block)  # after the cast: Module.to(dtype) would cast e4m3 buffers too
     model.to_empty(device=device)
-    mapper = _Mapper(reader, config, dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():
             mapper.fill(name, param)
+        kinds = Counter(mapper.fill_fp8(name, model.get_submodule(name)) for name in fp8)
     model.reset_buffers()
     model.eval()
+    if fp8:
+        log.info(
+            "fp8 dense projections: %d as stored, %d requantised, %d quantised at load",
+            kinds["stored"],
+            kinds["requantised"],
+            kinds["quantised"],
+        )
     unused = reader.unused()
     if unused:
         log.warning("checkpoint %s: %d tensors not used, e.g. %s", path, len(unused), ", ".join(unused[:3]))
@@ -52,30 +91,107 @@ def count_mtp_layers(reader: CheckpointReader) -> int:
 
 
 class _Mapper:
-    def __init__(self, reader: CheckpointReader, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, reader: CheckpointReader, config: ModelConfig, dtype: torch.dtype, block: tuple[int, int]
+    ) -> None:
         self.reader = reader
         self.config = config
         self.dtype = dtype
+        self.block = block
+        self._read: Callable[[str, tuple[int, ...]], torch.Tensor] = self._read_as_dtype
+        self._seen: list[str] = []  # checkpoint tensors read since the last _reading()
 
     def read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._read(name, shape)
+
+    def _read_as_dtype(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self.reader.get(name, self.dtype, expected=shape)
 
+    def _read_meta(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        self._seen.append(name)
+        return torch.empty(shape, device="meta")
+
+    def _read_rows(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        # [rows, K + KB] fp32: each weight row, then its scale per K block (1 for a bf16/fp32 source). e4m3
+        # values are exact in fp32, and the row operations of `value` (cat, de-interleave) carry each row's
+        # scales along with it.
+        self._seen.append(name)
+        bn, bk = self.block
+        if self.reader.is_fp8(name):
+            weight, scale = self.reader.get_fp8(name, expected=shape)
+            return torch.cat([weight.float(), scale.repeat_interleave(bn, dim=0)[: shape[0]]], dim=1)
+        ones = torch.ones(shape[0], -(-shape[1] // bk))
+        return torch.cat([self.reader.get(name, torch.float32, expected=shape), ones], dim=1)
+
+    @contextmanager
+    def _reading(self, read: Callable[[str, tuple[int, ...]], torch.Tensor]) -> Iterator[None]:
+        self._read, self._seen = read, []
+        try:
+            yield
+        finally:
+            self._read = self._read_as_dtype
+
     def fill(self, name: str, param: torch.Tensor) -> None:
-        shape = tuple(param.shape)
+        prefix, _, leaf = name.rpartition(".")
+        if leaf in ("w13", "w2"):
+            self._experts(prefix + ".", leaf, param)
+            return
+        param.copy_(self.value(name, tuple(param.shape)))
+
+    def fp8_projections(self, model: nn.Module) -> list[str]:
+        """The dense projections to run in FP8: all of them for a bf16/fp32 checkpoint (quantised at load);
+        for an FP8 checkpoint, those it stores in FP8 (what it keeps in bf16, its `modules_to_not_convert`,
+        stays in the model dtype)."""
+        names = [n for n, m in model.named_modules() if is_fp8_projection(n, m)]
+        if not self.reader.has_fp8():
+            return names
+        chosen = []
+        for name in names:
+            with self._reading(self._read_meta):
+                self.value(name + ".weight", tuple(model.get_submodule(name).weight.shape))
+            if any(self.reader.is_fp8(source) for source in self._seen):
+                chosen.append(name)
+        return chosen
+
+    def fill_fp8(self, name: str, module: Fp8Linear) -> str:
+        """Fill `module`'s e4m3 weight and block scales. Returns "stored" (the checkpoint's FP8 blocks as they
+        are), "requantised" or "quantised" (from a bf16/fp32 checkpoint).
+
+        A fused weight (e.g. `in_proj_qkvz` = [qkv | z]) keeps its parts' blocks only if every part before
+        the last has a multiple of 128 rows (true at Qwen3.5's real sizes); otherwise a 128-row block would
+        need two scales, so the fused weight is dequantised and quantised again (tiny test configs): correct,
+        with one more rounding.
+        """
+        n, k = module.weight.shape
+        bn, bk = self.block
+        with self._reading(self._read_rows):
+            rows = self.value(name + ".weight", (n, k)).to(module.weight.device)  # [N, K + KB]
+        fp8 = [self.reader.is_fp8(source) for source in self._seen]
+        values, row_scales = rows[:, :k], rows[:, k:]
+        scale = row_scales[::bn]  # [NB, KB]: the first row's scales in each block of bn rows
+        if all(fp8) and torch.equal(row_scales, scale.repeat_interleave(bn, dim=0)[:n]):
+            weight, how = values.to(torch.float8_e4m3fn), "stored"
+        else:
+            full = values * row_scales.repeat_interleave(bk, dim=1)[:, :k]
+            weight, scale = kernels.quantize_block_fp8_weight(full, self.block)
+            how = "requantised" if any(fp8) else "quantised"
+        module.weight.copy_(weight)
+        module.weight_scale_inv.copy_(scale)
+        return how
+
+    def value(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Our tensor `name` of `shape`, from the checkpoint's tensors (concatenated or de-interleaved)."""
         prefix, _, leaf = name.rpartition(".")
         prefix += "."
-        if leaf in ("w13", "w2"):
-            self._experts(prefix, leaf, param)
-            return
         if name.endswith("linear_attn.in_proj_qkvz.weight"):
-            value = self._qkvz(prefix.removesuffix("in_proj_qkvz."), shape)
-        elif name.endswith("linear_attn.in_proj_ba.weight"):
-            value = self._ba(prefix.removesuffix("in_proj_ba."), shape)
-        elif leaf == "conv1d_weight":
-            value = self._conv(prefix + "conv1d.weight", shape)
-        elif leaf == "norm_weight":
-            value = self.read(prefix + "norm.weight", shape)
-        elif name.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias")):
+            return self._qkvz(prefix.removesuffix("in_proj_qkvz."), shape)
+        if name.endswith("linear_attn.in_proj_ba.weight"):
+            return self._ba(prefix.removesuffix("in_proj_ba."), shape)
+        if leaf == "conv1d_weight":
+            return self._conv(prefix + "conv1d.weight", shape)
+        if leaf == "norm_weight":
+            return self.read(prefix + "norm.weight", shape)
+        if name.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias")):
             base = prefix.removesuffix("qkv_proj.")
             c = self.config
             rows = (
@@ -83,15 +199,13 @@ class _Mapper:
                 c.num_key_value_heads * c.head_dim,
                 c.num_key_value_heads * c.head_dim,
             )
-            value = self._cat([f"{base}{p}.{leaf}" for p in ("q_proj", "k_proj", "v_proj")], rows, shape)
-        elif name.endswith("gate_up_proj.weight"):
+            return self._cat([f"{base}{p}.{leaf}" for p in ("q_proj", "k_proj", "v_proj")], rows, shape)
+        if name.endswith("gate_up_proj.weight"):
             base = prefix.removesuffix("gate_up_proj.")
-            value = self._cat(
+            return self._cat(
                 [base + "gate_proj.weight", base + "up_proj.weight"], (shape[0] // 2,) * 2, shape
             )
-        else:
-            value = self.read(name, shape)
-        param.copy_(value)
+        return self.read(name, shape)
 
     def _cat(self, names: list[str], rows: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         return torch.cat([self.read(n, (r, *shape[1:])) for n, r in zip(names, rows, strict=True)], dim=0)
@@ -102,10 +216,10 @@ class _Mapper:
             # Qwen3-Next: per key head group [q (dk) | k (dk) | v (r*dv) | z (r*dv)], r = Hv / Hk.
             fused = self.read(base + "in_proj_qkvz.weight", shape)
             r = c.linear_num_value_heads // c.linear_num_key_heads
-            dk, dv, hidden = c.linear_key_head_dim, c.linear_value_head_dim, shape[1]
-            groups = fused.view(c.linear_num_key_heads, 2 * dk + 2 * r * dv, hidden)
+            dk, dv, width = c.linear_key_head_dim, c.linear_value_head_dim, fused.shape[1]  # width: K (+ KB)
+            groups = fused.view(c.linear_num_key_heads, 2 * dk + 2 * r * dv, width)
             q, k, v, z = groups.split((dk, dk, r * dv, r * dv), dim=1)
-            return torch.cat([x.reshape(-1, hidden) for x in (q, k, v, z)], dim=0)
+            return torch.cat([x.reshape(-1, width) for x in (q, k, v, z)], dim=0)
         return self._cat(
             [base + "in_proj_qkv.weight", base + "in_proj_z.weight"],
             (c.linear_conv_dim, c.linear_value_dim),
@@ -146,4 +260,4 @@ class _Mapper:
                 param[e].copy_(self.read(f"{base}{e}.down_proj.weight", tuple(rest)))
 
 
-__all__ = ["CheckpointError", "count_mtp_layers", "load_model"]
+__all__ = ["CheckpointError", "count_mtp_layers", "load_model", "quantization_mode"]

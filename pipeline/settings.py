@@ -44,9 +44,9 @@ class Settings:
     device: str | None = None
     dtype: str | None = None
     limits: Limits = field(default_factory=Limits)
-    # Serving options passed to Engine.from_pretrained (max_num_seqs, max_num_batched_tokens,
-    # num_speculative_tokens, kv_cache_memory): the `[engine]` table of enclave.toml or ENCLAVE_<NAME>.
-    engine: dict[str, int] = field(default_factory=dict)
+    # Options passed to Engine.from_pretrained (max_num_seqs, max_num_batched_tokens, num_speculative_tokens,
+    # kv_cache_memory, quantization): the `[engine]` table of enclave.toml or ENCLAVE_<NAME>.
+    engine: dict[str, int | str] = field(default_factory=dict)
 
     @property
     def service_key_dir(self) -> Path:
@@ -71,8 +71,15 @@ _ENV = {
 _LIMIT_ENV = {f.name: "ENCLAVE_" + f.name.upper() for f in fields(Limits)}
 _ENGINE_ENV = {
     name: "ENCLAVE_" + name.upper()
-    for name in ("max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens", "kv_cache_memory")
+    for name in (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "num_speculative_tokens",
+        "kv_cache_memory",
+        "quantization",
+    )
 }
+_ENGINE_STRINGS = ("quantization",)  # passed as text (the engine checks the value); the others are integers
 
 
 def load_settings(env: dict[str, str] | None = None) -> Settings:
@@ -89,7 +96,9 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     engine_values |= {k: env[var] for k, var in _ENGINE_ENV.items() if env.get(var)}
     if unknown := sorted(set(engine_values) - set(_ENGINE_ENV)):
         raise SettingsError(f"unknown [engine] setting {unknown[0]!r} (known: {', '.join(_ENGINE_ENV)})")
-    engine = {k: int(_number(k, v)) for k, v in engine_values.items()}
+    engine = {
+        k: _text(k, v) if k in _ENGINE_STRINGS else int(_number(k, v)) for k, v in engine_values.items()
+    }
     return Settings(
         home=home,
         database_url=values.get("database_url") or f"sqlite:///{home / 'enclave.db'}",
@@ -109,6 +118,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
         return tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise SettingsError(f"cannot read {path}: {exc}") from None
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise SettingsError(f"{name} must be a string, got {value!r}")
+    return value
 
 
 def _number(name: str, value: Any) -> int | float:

@@ -3,7 +3,12 @@
 
 from engine.kernels.attention import attention
 from engine.kernels.conv1d import causal_conv1d
-from engine.kernels.fp8 import dequantize_block_fp8
+from engine.kernels.fp8 import (
+    dequantize_block_fp8,
+    fp8_block_linear,
+    quantize_block_fp8_weight,
+    quantize_fp8_per_token_group,
+)
 from engine.kernels.gated_delta import gated_delta_rule
 from engine.kernels.layout import SeqLayout
 from engine.kernels.moe import experts as moe_experts
@@ -17,10 +22,13 @@ __all__ = [
     "attention",
     "causal_conv1d",
     "dequantize_block_fp8",
+    "fp8_block_linear",
     "gated_delta_rule",
     "gated_rms_norm",
     "moe_experts",
     "moe_route",
+    "quantize_block_fp8_weight",
+    "quantize_fp8_per_token_group",
     "rms_norm",
     "rotary_cos_sin",
 ]

@@ -23,7 +23,11 @@ class MLP(nn.Module):
 
 
 class SparseMoe(nn.Module):
-    """Top-k routed experts plus a shared expert scaled by sigmoid(shared_expert_gate(x))."""
+    """Top-k routed experts plus a shared expert scaled by sigmoid(shared_expert_gate(x)).
+
+    With `quantization="fp8"` only the shared expert runs in FP8 (`Fp8Linear`); the stacked experts stay in
+    the model dtype (an FP8 checkpoint's dequantised at load) until a fused FP8 MoE kernel exists.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

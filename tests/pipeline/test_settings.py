@@ -41,3 +41,18 @@ def test_unreadable_toml(tmp_path):
     (tmp_path / "enclave.toml").write_text("this is = = not toml")
     with pytest.raises(SettingsError, match=r"enclave\.toml"):
         load_settings({"ENCLAVE_HOME": str(tmp_path)})
+
+
+def test_engine_options_from_file_and_environment(tmp_path):
+    (tmp_path / "enclave.toml").write_text('[engine]\nmax_num_seqs = 8\nquantization = "none"\n')
+    s = load_settings({"ENCLAVE_HOME": str(tmp_path), "ENCLAVE_QUANTIZATION": "fp8"})
+    assert s.engine == {"max_num_seqs": 8, "quantization": "fp8"}  # passed to Engine.from_pretrained as is
+
+
+@pytest.mark.parametrize(
+    ("table", "needle"), [("quantization = 8", "quantization must be a string"), ("beams = 4", "beams")]
+)
+def test_bad_engine_options(tmp_path, table, needle):
+    (tmp_path / "enclave.toml").write_text(f"[engine]\n{table}\n")
+    with pytest.raises(SettingsError, match=needle):
+        load_settings({"ENCLAVE_HOME": str(tmp_path)})

@@ -25,6 +25,20 @@ def dequantize_block_fp8(
     return dispatch.pick("dequantize_block_fp8", weight)(weight, scale_inv, block, dtype)
 
 
+def quantize_block_fp8_weight(
+    weight: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise a weight [..., N, K] to e4m3, one scale per `block` (rows, cols), as FP8 checkpoints store it.
+
+    Runs once per weight at load, so it is plain torch on the weight's device (no Triton variant).
+
+    Returns:
+        (weight_fp8 [..., N, K] float8_e4m3fn, weight_scale_inv [..., ceil(N/bn), ceil(K/bk)] fp32), with
+        weight ~= weight_fp8 * weight_scale_inv per block (edge blocks partial).
+    """
+    return reference.quantize_block_fp8_weight(weight, block)
+
+
 def quantize_fp8_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise activations to e4m3 with one scale per token and per `group` channels (dynamic, amax / 448).
 

@@ -1,4 +1,5 @@
-"""Plain-torch dequantisation of block-scaled FP8 weights."""
+"""Plain-torch block-scaled FP8: weight (de)quantisation, the per-token-group activation quantiser and the
+w8a8 block linear."""
 
 import torch
 
@@ -29,6 +30,23 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[tor
     # can be one ulp off the CPU's exact quotient.
     scale = amax / torch.full_like(amax, FP8_MAX)
     q = (blocks / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).flatten(-2)[..., :k]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def quantize_block_fp8_weight(
+    weight: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # weight [..., N, K] -> (e4m3 [..., N, K], fp32 scale_inv [..., ceil(N/bn), ceil(K/bk)]): one scale per
+    # block, amax / 448 (edge blocks partial), so weight ~= e4m3 * scale_inv, as Qwen's FP8 releases store it.
+    bn, bk = block
+    n, k = weight.shape[-2:]
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.nn.functional.pad(weight.float(), (0, cols * bk - k, 0, rows * bn - n))
+    blocks = padded.unflatten(-1, (cols, bk)).unflatten(-3, (rows, bn))  # [..., rows, bn, cols, bk]
+    amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=AMAX_EPS)  # [..., rows, cols]
+    scale = amax / torch.full_like(amax, FP8_MAX)
+    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    q = q.flatten(-2).flatten(-3, -2)[..., :n, :k]
     return q.to(torch.float8_e4m3fn), scale
 
 

@@ -207,3 +207,29 @@ def test_single_token_sequences_without_context_ignore_stale_state():
     torch.testing.assert_close(
         att, rand(2, 1, 8, seed=5).repeat_interleave(2, 1)
     )  # one key: output = its value
+
+
+@pytest.mark.parametrize("n, k, block", [(200, 144, (128, 128)), (128, 256, (128, 128)), (90, 100, (64, 32))])
+def test_block_fp8_weight_quantiser(n, k, block):
+    from tests.engine.factories import quantize_block_fp8
+
+    w = rand(3, n, k, seed=n) / k**0.5
+    w[1, : block[0], : block[1]] = (
+        0.0  # a block of zeros: its scale is tiny but not 0 (no 0 / 0), values stay 0
+    )
+    q, scale = kernels.quantize_block_fp8_weight(w, block)  # stacked [E, N, K], as experts are
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, -(-n // block[0]), -(-k // block[1]))
+    for e in range(3):
+        one_q, one_scale = kernels.quantize_block_fp8_weight(w[e], block)
+        assert torch.equal(q[e].view(torch.uint8), one_q.view(torch.uint8)) and torch.equal(
+            scale[e], one_scale
+        )
+    if block == (128, 128):  # the test factory that writes FP8 checkpoints, bit for bit
+        ref_q, ref_scale = quantize_block_fp8(w[0])
+        assert torch.equal(q[0].view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(
+            scale[0], ref_scale
+        )
+    # Round trip: within half an e4m3 step (2**-4 relative), or a subnormal step of the block scale near 0.
+    back = kernels.dequantize_block_fp8(q, scale, block, torch.float32)
+    assert scale[1, 0, 0] > 0 and not back[1, : block[0], : block[1]].any()
+    torch.testing.assert_close(back, w, rtol=2**-4, atol=scale.max().item() * 2**-10)

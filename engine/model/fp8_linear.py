@@ -1,0 +1,75 @@
+"""Dense projections kept in block FP8 (`quantization="fp8"`): e4m3 weights and one fp32 scale per block.
+
+Applied from outside, after the model is built: the loader swaps the `nn.Linear`s named in `FP8_PROJECTIONS`
+for `Fp8Linear`s while the model is still on the meta device, then fills them. Routed experts (stacked
+`w13`/`w2`), the router, gates, `in_proj_ba`, embeddings and `lm_head` keep the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine import kernels
+
+# Suffixes of the module names that become Fp8Linear: attention, DeltaNet, shared expert and dense MLP.
+FP8_PROJECTIONS = (
+    "self_attn.qkv_proj",
+    "self_attn.o_proj",
+    "linear_attn.in_proj_qkvz",
+    "linear_attn.out_proj",
+    "mlp.shared_expert.gate_up_proj",
+    "mlp.shared_expert.down_proj",
+    "mlp.gate_up_proj",
+    "mlp.down_proj",
+)
+
+
+class Fp8Linear(nn.Module):
+    """`x @ W.T (+ bias)` with W [N, K] stored as e4m3 and `weight_scale_inv` [ceil(N/bn), ceil(K/bk)] fp32.
+
+    The forward is the w8a8 block linear: activations are quantised per token and per `block[1]` channels.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        block: tuple[int, int] = (128, 128),
+        bias_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        bn, bk = block
+        scales = (-(-out_features // bn), -(-in_features // bk))
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale_inv", torch.empty(scales, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype)) if bias else None
+
+    @classmethod
+    def like(cls, linear: nn.Linear, block: tuple[int, int]) -> Fp8Linear:
+        """An empty Fp8Linear of `linear`'s shape, on its device (meta while the model is being built)."""
+        with torch.device(linear.weight.device):
+            bias = linear.bias is not None
+            dtype = linear.bias.dtype if bias else None
+            return cls(linear.in_features, linear.out_features, bias, block, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.fp8_block_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+
+
+def is_fp8_projection(name: str, module: nn.Module) -> bool:
+    """Whether module `name` is one of the dense projections `quantization="fp8"` converts."""
+    return isinstance(module, nn.Linear) and name.endswith(FP8_PROJECTIONS)
+
+
+def use_fp8_linears_(model: nn.Module, names: list[str], block: tuple[int, int]) -> None:
+    """Replace the `nn.Linear` submodules `names` of `model` with empty `Fp8Linear`s of the same shape."""
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        setattr(owner, child, Fp8Linear.like(getattr(owner, child), block))
