@@ -50,6 +50,7 @@ from engine.bench.workloads import RUNNERS
 from engine.config import ModelConfig, config_from_dict
 from engine.engine import Engine
 from engine.errors import EngineError
+from engine.model.fp8_linear import quantize_model_
 from engine.model.model import CausalLM
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,13 @@ def load(
     if args.model:
         # A small cache only: the workloads plan their own. The engine is dropped, the model kept.
         engine = Engine.from_pretrained(
-            args.model, device=device, dtype=dtype, max_num_seqs=1, max_prefixes=0, kv_cache_memory=GIB
+            args.model,
+            device=device,
+            dtype=dtype,
+            max_num_seqs=1,
+            max_prefixes=0,
+            kv_cache_memory=GIB,
+            quantization=args.quantization,
         )
         model, config = engine.model, engine.config
         engine.close()
@@ -73,7 +80,10 @@ def load(
     raw = PRESETS[args.preset]()
     config = config_from_dict(raw, source=f"preset {args.preset}")
     check_room(param_counts(config), device, dtype)
-    return random_model(config, device, dtype, args.seed), config, raw
+    model = random_model(config, device, dtype, args.seed)
+    if args.quantization == "fp8":
+        log.info("quantised %d dense projections to block FP8", quantize_model_(model))
+    return model, config, raw
 
 
 def check_room(counts: ParamCounts, device: torch.device, dtype: torch.dtype) -> None:
@@ -136,6 +146,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "source": args.model or f"preset {args.preset} (random weights, seed {args.seed})",
         "model_type": config.model_type,
         "dtype": str(dtype).removeprefix("torch."),
+        "quantization": args.quantization,
         "geometry": geometry(config),
         "params": param_summary(counts),
         "build_s": built_s,
@@ -189,6 +200,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="of workload (d)")
     parser.add_argument("--batches", type=_sizes, help="batch sizes of (b) (default 16,64,256)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--quantization", choices=("none", "fp8"), default="none", help="fp8: dense projections in block FP8"
+    )
     parser.add_argument("--json", default=str(DEFAULT_JSON), help="write the results here ('' for none)")
     args = parser.parse_args(argv)
     if args.max_seconds <= 0 or args.max_num_batched_tokens < 1 or args.max_num_seqs < 1:

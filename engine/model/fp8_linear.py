@@ -73,3 +73,25 @@ def use_fp8_linears_(model: nn.Module, names: list[str], block: tuple[int, int])
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent)
         setattr(owner, child, Fp8Linear.like(getattr(owner, child), block))
+
+
+@torch.no_grad()
+def quantize_model_(model: nn.Module, block: tuple[int, int] = (128, 128)) -> int:
+    """Quantise a built model's dense projections to block FP8 in place; returns how many were converted.
+
+    For models made without a checkpoint (the benchmark's random weights); the loader does the same while
+    reading a checkpoint.
+    """
+    from engine.kernels.fp8.reference import quantize_block_fp8_weight
+
+    names = [n for n, m in model.named_modules() if is_fp8_projection(n, m)]
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        linear = getattr(owner, child)
+        fp8 = Fp8Linear.like(linear, block)
+        fp8.weight, fp8.weight_scale_inv = quantize_block_fp8_weight(linear.weight, block)
+        if linear.bias is not None:
+            fp8.bias.copy_(linear.bias)
+        setattr(owner, child, fp8)
+    return len(names)
