@@ -56,3 +56,11 @@ def pick(op: str, like: torch.Tensor) -> Callable:
     if like.is_cuda and "triton" in table:
         return implementation(op, "triton")
     return implementation(op, "torch")
+
+
+def prefill_kernels_enabled() -> bool:
+    """Whether the Triton prefill kernels (chunked delta rule, paged prefill attention) run for long
+    sequences. They pass the interpreter tests and compile for sm_90 but have not yet run on a GPU; until a
+    GPU run shows them correct (and faster), CUDA prefill chunks take the torch references unless
+    ENCLAVE_TRITON_PREFILL=1. Under Triton's interpreter they always run (that is how CI tests them)."""
+    return os.environ.get("ENCLAVE_TRITON_PREFILL") == "1" or os.environ.get("TRITON_INTERPRET") == "1"

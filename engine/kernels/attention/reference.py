@@ -25,6 +25,12 @@ def attention(
     out = torch.empty_like(q)
     if layout.short_seqs:
         _short(q, k_rows, v_rows, layout, scale, out)
+    long_sequences(q, k_rows, v_rows, layout, scale, out)
+    return out
+
+
+def long_sequences(q, k_rows, v_rows, layout: SeqLayout, scale: float, out: torch.Tensor) -> None:
+    """Each long sequence (a prefill chunk) on its own: SDPA over its gathered KV rows [num_blocks * bs]."""
     for i in layout.long_seqs:
         start, n, ctx = layout.cu_seqlens[i], layout.query_lens[i], layout.context_lens[i]
         rows = layout._cached(
@@ -47,7 +53,6 @@ def attention(
                 query, keys, values, attn_mask=allowed, scale=scale, enable_gqa=True
             )
         out[start : start + n] = o[0].transpose(0, 1)
-    return out
 
 
 def _short_index(layout: SeqLayout) -> tuple[torch.Tensor, ...]:

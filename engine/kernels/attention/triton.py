@@ -1,10 +1,14 @@
-"""Paged causal GQA attention in Triton for the short sequences of a step (decode, MTP verify).
+"""Paged causal GQA attention in Triton: short sequences (decode, MTP verify) and long ones (prefill chunks).
 
-One program per (short sequence, kv head, split) stacks every query token of the sequence times every query
-head of the kv head into one [BLOCK_M, D] tile (row r = token r // G, head r % G), so each key block is read
-once for all of them. It walks the sequence's keys BLOCK_N at a time through the block table, with an fp32
-online softmax. With NUM_SPLITS > 1 (flash-decoding: long contexts, few sequences) each program covers one
-slice of the keys and writes a partial output and its log-sum-exp; a second kernel merges the slices.
+Short path: one program per (short sequence, kv head, split) stacks every query token of the sequence times
+every query head of the kv head into one [BLOCK_M, D] tile (row r = token r // G, head r % G), so each key
+block is read once for all of them. It walks the sequence's keys BLOCK_N at a time through the block table,
+with an fp32 online softmax. With NUM_SPLITS > 1 (flash-decoding: long contexts, few sequences) each program
+covers one slice of the keys and writes a partial output and its log-sum-exp; a second kernel merges them.
+
+Long path (varlen causal prefill): one program per (query head, tile of BLOCK_M new tokens of one long
+sequence); the tile's queries sit at positions ctx + j and see keys 0 .. ctx + j. Keys before the tile's
+first position are visible to every row and are read without the causal mask; the diagonal blocks with it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import dispatch
 from engine.kernels.attention import reference
 from engine.kernels.layout import SeqLayout
 
@@ -167,6 +172,131 @@ def _merge_splits_kernel(
     tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=d < width)
 
 
+@triton.jit
+def _prefill_block(
+    q,  # [BLOCK_M, BLOCK_D] queries of the tile
+    acc,  # [BLOCK_M, BLOCK_D] fp32 unnormalised output
+    m_i,  # [BLOCK_M] fp32 running max (base 2)
+    l_i,  # [BLOCK_M] fp32 running sum
+    q_pos,  # [BLOCK_M] position of each query row
+    start,  # first key position of this block
+    kv_len,
+    table_ptr,  # this sequence's row of the block tables
+    k_ptr,  # k_cache_ptr + kv head * stride_kh
+    v_ptr,
+    stride_kb,
+    stride_kr,
+    stride_vb,
+    stride_vr,
+    scale_log2,
+    KV_BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_DIAGONAL: tl.constexpr,  # some key of the block lies past some query row: apply the causal mask
+    DOT_PRECISION: tl.constexpr,
+):
+    pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+    kv_ok = pos < kv_len
+    d = tl.arange(0, BLOCK_D)
+    block = tl.load(table_ptr + pos // KV_BLOCK, mask=kv_ok, other=0).to(tl.int64)
+    offset = pos % KV_BLOCK
+    # Rows past the sequence's end may hold NaN: masked loads give 0 there (0 * NaN would be NaN).
+    kv_mask = kv_ok[:, None] & (d < HEAD_DIM)[None, :]
+    k_offs = block[:, None] * stride_kb + offset[:, None] * stride_kr + d[None, :]
+    k = tl.load(k_ptr + k_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+    v_offs = block[:, None] * stride_vb + offset[:, None] * stride_vr + d[None, :]
+    v = tl.load(v_ptr + v_offs, mask=kv_mask, other=0.0).to(q.dtype)
+
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if IS_DIAGONAL:
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & kv_ok[None, :], s, float("-inf"))
+    # Every row sees the first key of the first block it reads, so m stays finite.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,
+    out_ptr,  # [T, Hq, D]
+    block_tables_ptr,  # [B, max_blocks] int32 of the long sequences, padded with 0
+    seq_info_ptr,  # [B, 3] int32: first token, new tokens, context length
+    tiles_ptr,  # [num_tiles, 2] int32: long sequence, first new token of the tile
+    scale_log2,  # softmax scale * log2(e): the softmax runs in base 2
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kr,
+    stride_kh,
+    stride_vb,
+    stride_vr,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr,  # query heads per kv head
+    KV_BLOCK: tl.constexpr,  # positions per cache block
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Heads vary fastest over the grid, so the query heads of one kv head read its key blocks close in time.
+    head = tl.program_id(0)
+    tile = tl.program_id(1)
+    h = head // GROUP
+    b = tl.load(tiles_ptr + tile * 2)
+    j0 = tl.load(tiles_ptr + tile * 2 + 1)
+    q_start = tl.load(seq_info_ptr + b * 3)
+    n_new = tl.load(seq_info_ptr + b * 3 + 1)
+    ctx = tl.load(seq_info_ptr + b * 3 + 2)
+    kv_len = ctx + n_new
+
+    tok = j0 + tl.arange(0, BLOCK_M)  # new tokens of the tile; token j sits at position ctx + j
+    row_ok = tok < n_new
+    q_pos = ctx + tok
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    q_offs = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]; padding rows 0
+
+    table_ptr = block_tables_ptr + b.to(tl.int64) * stride_bt
+    k_ptr = k_cache_ptr + h * stride_kh
+    v_ptr = v_cache_ptr + h * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Keys 0 .. ctx + j0 are visible to every row of the tile: whole blocks of them go without the mask.
+    full_end = (ctx + j0 + 1) // BLOCK_N * BLOCK_N
+    for start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _prefill_block(
+            q, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr,
+            stride_kb, stride_kr, stride_vb, stride_vr, scale_log2,
+            KV_BLOCK, HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION,
+        )  # fmt: skip
+    # The rest, up to the tile's last position (padding rows past the sequence's end mask keys >= kv_len).
+    diag_end = tl.minimum(kv_len, ctx + j0 + BLOCK_M)
+    for start in range(full_end, diag_end, BLOCK_N):
+        acc, m_i, l_i = _prefill_block(
+            q, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr,
+            stride_kb, stride_kr, stride_vb, stride_vr, scale_log2,
+            KV_BLOCK, HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION,
+        )  # fmt: skip
+
+    o = acc / l_i[:, None]
+    o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head * stride_oh + d[None, :]
+    tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -190,9 +320,11 @@ def paged_attention(
     scale: float,
     num_splits: int | None = None,
     block_n: int | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
-    """`attention` with the tiling exposed: `num_splits` key slices per (sequence, kv head) (None: chosen
-    from the batch and context sizes; 1: no split), `block_n` keys per step (None: 64).
+    """`attention` with the tiling exposed: `num_splits` key slices per (short sequence, kv head) (None:
+    chosen from the batch and context sizes; 1: no split), `block_n` keys per step (None: 64 on the short
+    path, chosen by dtype on the long one), `block_m` new tokens per prefill tile (None: chosen by dtype).
 
     Args:
         q: [T, Hq, D] queries; k, v: [T, Hkv, D] new keys/values.
@@ -202,19 +334,22 @@ def paged_attention(
     Returns:
         [T, Hq, D] in q's dtype.
     """
-    if not layout.short_seqs:
-        return reference.attention(q, k, v, k_cache, v_cache, layout, scale)
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     written = layout.slot_mapping(q.device)  # [T] flat cache row of each new token
     k_cache.view(-1, hkv, d)[written] = k.to(k_cache.dtype)
     v_cache.view(-1, hkv, d)[written] = v.to(v_cache.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _short(q, k_cache, v_cache, layout, scale, out, num_splits, block_n)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    if layout.short_seqs:
+        _short(q, k_cache, v_cache, layout, scale, out, num_splits, block_n)
     if layout.long_seqs:
-        # Prefill chunks (more than SHORT_QUERY new tokens) still take the reference's per-sequence SDPA
-        # path, on a layout of just those sequences; it writes their rows again, which changes nothing.
-        part, tokens = _long_part(layout, q.device)
-        out[tokens] = reference.attention(q[tokens], k[tokens], v[tokens], k_cache, v_cache, part, scale)
+        if dispatch.prefill_kernels_enabled():
+            _long(q, k_cache, v_cache, layout, scale, out, block_m, block_n)
+        else:
+            hkv, d = k_cache.shape[2], k_cache.shape[3]
+            reference.long_sequences(
+                q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), layout, scale, out
+            )
     return out
 
 
@@ -226,7 +361,7 @@ def _short(q, k_cache, v_cache, layout: SeqLayout, scale, out, num_splits, block
     group = hq // hkv
     n_max = max(layout.query_lens[i] for i in seqs)
     kv_max = max(layout.context_lens[i] + layout.query_lens[i] for i in seqs)
-    tables, info = _short_index(layout, q.device)
+    tables, info = _seq_index(layout, "short", q.device)
     block_d = triton.next_power_of_2(d)
     block_m = max(16, triton.next_power_of_2(n_max * group))  # tl.dot needs at least 16 rows
     block_n = block_n or 64
@@ -236,7 +371,6 @@ def _short(q, k_cache, v_cache, layout: SeqLayout, scale, out, num_splits, block
     # 256 x 1k, 1 x 128k) and verify (16 x 8k) batches; a 64-row tile gets more warps and fewer stages
     # (shared memory).
     wide = block_m * block_d >= 64 * 256
-    q = q if q.stride(-1) == 1 else q.contiguous()
     args = dict(
         GROUP=group,
         KV_BLOCK=k_cache.shape[1],
@@ -285,10 +419,51 @@ def _short(q, k_cache, v_cache, layout: SeqLayout, scale, out, num_splits, block
     )
 
 
-def _short_index(layout: SeqLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _long(q, k_cache, v_cache, layout: SeqLayout, scale, out, block_m, block_n) -> None:
+    """Every long sequence (prefill chunk) in one launch over (query head, tile of new tokens)."""
+    hq, d = q.shape[1], q.shape[2]
+    block_d = triton.next_power_of_2(d)
+    # sm_90 at D 256 (ptxas): 16-bit 64 x 64 tiles, 8 warps, 2 stages take 160 KB of shared memory
+    # (Q + 2 x (K + V)) and 236 registers without spills; fp32 rows (1 KB, dots on the FMA units) spill
+    # registers above 16 x 16.
+    wide = q.element_size() * block_d >= 1024
+    block_m = block_m or (16 if wide else 64)
+    block_n = block_n or (16 if wide else 64)
+    tables, info = _seq_index(layout, "long", q.device)
+    tiles = _prefill_tiles(layout, block_m, q.device)
+    strides = (
+        *q.stride()[:2],
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        *out.stride()[:2],
+        tables.stride(0),
+    )
+    _prefill_attention_kernel[(hq, tiles.shape[0])](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        tables,
+        info,
+        tiles,
+        scale * _LOG2E,
+        *strides,
+        GROUP=hq // k_cache.shape[2],
+        KV_BLOCK=k_cache.shape[1],
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if block_m * block_d >= 64 * 256 else 4,
+        num_stages=2,
+    )
+
+
+def _seq_index(layout: SeqLayout, which: str, device) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, max_blocks] int32 block tables (padded with 0) and [B, 3] int32 (first token, new tokens,
-    context) of the short sequences, built once per layout and device."""
-    seqs = layout.short_seqs
+    context) of the layout's `which` ("short" or "long") sequences, built once per layout and device."""
+    seqs = layout.short_seqs if which == "short" else layout.long_seqs
     if layout.block_tables is None:
         raise ValueError("this layout has no block tables, so it cannot address a paged KV cache")
 
@@ -306,27 +481,23 @@ def _short_index(layout: SeqLayout, device) -> tuple[torch.Tensor, torch.Tensor]
         )
 
     return (
-        layout._cached("attention_triton_tables", device, tables),
-        layout._cached("attention_triton_info", device, info),
+        layout._cached(("attention_triton_tables", which), device, tables),
+        layout._cached(("attention_triton_info", which), device, info),
     )
 
 
-def _long_part(layout: SeqLayout, device) -> tuple[SeqLayout, torch.Tensor]:
-    """A layout of the long sequences alone, and [T_long] the flat indices of their tokens."""
-    key = ("attention_triton_long", torch.device(device))
-    found = layout._tensors.get(key)
-    if found is None:
-        seqs = layout.long_seqs
-        part = SeqLayout(
-            query_lens=tuple(layout.query_lens[i] for i in seqs),
-            context_lens=tuple(layout.context_lens[i] for i in seqs),
-            slots=tuple(layout.slots[i] for i in seqs),
-            block_tables=tuple(layout.block_tables[i] for i in seqs),
-            block_size=layout.block_size,
-        )
-        tokens = [t for i in seqs for t in range(layout.cu_seqlens[i], layout.cu_seqlens[i + 1])]
-        found = layout._tensors[key] = (part, torch.tensor(tokens, dtype=torch.long, device=device))
-    return found
+def _prefill_tiles(layout: SeqLayout, block_m: int, device) -> torch.Tensor:
+    """[num_tiles, 2] int32 (index among the long sequences, first new token) of every prefill tile, those
+    with the most keys first so the last wave of programs is the shortest."""
+
+    def build():
+        tiles = [
+            (b, j0) for b, i in enumerate(layout.long_seqs) for j0 in range(0, layout.query_lens[i], block_m)
+        ]
+        tiles.sort(key=lambda t: -(layout.context_lens[layout.long_seqs[t[0]]] + t[1]))
+        return torch.tensor(tiles, dtype=torch.int32).view(-1, 2)
+
+    return layout._cached(("attention_triton_tiles", block_m), device, build)
 
 
 def _num_splits(num_programs: int, kv_max: int, device: torch.device) -> int:

@@ -1,21 +1,28 @@
 """Triton gated delta rule: a fused token-by-token recurrence for short sequences (decode, MTP verify, short
-prefills), the reference's chunked (WY) form for longer ones.
+prefills), a chunked (WY) form for longer ones.
 
-One program per (sequence, value head, dv tile) keeps its fp32 state tile [dk, BV] in registers for all of
-the sequence's new tokens, so each state element is read once and written once per step (or once per token
-when the layout keeps per-token states for the verify step).
+Recurrent: one program per (sequence, value head, dv tile) keeps its fp32 state tile [dk, BV] in registers for
+all of the sequence's new tokens, so each state element is read once and written once per step (or once per
+token when the layout keeps per-token states for the verify step).
+
+Chunked, as `reference.chunked` (flash-linear-attention's chunk_gated_delta_rule in two kernels): every
+(chunk of 64 tokens, value head) in parallel builds the cumulative decay and the WY factors of its chunk
+(`_chunk_wy_kernel`); then one program per (sequence, value head, dv tile) walks its chunks in order,
+carrying the fp32 state tile and writing the outputs (`_chunk_state_kernel`).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import dispatch
 from engine.kernels.gated_delta import reference
 from engine.kernels.layout import SeqLayout
 
-# Sequences adding at most this many tokens run in the recurrent kernel. Longer ones fall back to the
-# reference's chunked path, one sequence at a time: a chunked Triton kernel is future work.
+# Sequences adding at most this many tokens run in the recurrent kernel, longer ones in the chunked kernels.
 MAX_RECURRENT = 64
+# Tokens per chunk of the chunked form (the reference's CHUNK).
+BT = 64
 
 # Bits of the flags column of the per-sequence table.
 _HAS_CONTEXT, _KEEPS_STATES = 1, 2
@@ -101,6 +108,159 @@ def _recurrent_kernel(
     tl.store(p_s + slot * stride_ss, b_s, mask=m_home)
 
 
+@triton.jit
+def _chunk_wy_kernel(
+    k,  # [T, Hk, dk]
+    v,  # [T, Hv, dv]
+    g,  # [T, Hv] fp32 log decay
+    beta,  # [T, Hv]
+    chunks,  # [NC, 2] int32: first token, tokens in the chunk (1..BT)
+    w,  # [NC, Hv, BT, dv] fp32 out: (I + A)^-1 (beta v)
+    kd,  # [NC, Hv, BT, dk] fp32 out: (I + A)^-1 (beta exp(c) k)
+    cum,  # [NC, Hv, BT] fp32 out: cumulative log decay c (padding rows repeat the last token's)
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_gt,
+    stride_gh,
+    stride_bt,
+    stride_bh,
+    HV,
+    RATIO,
+    DK,
+    DV,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    i_c, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_hk = i_h // RATIO
+    start = tl.load(chunks + i_c * 2 + 0).to(tl.int64)
+    n = tl.load(chunks + i_c * 2 + 1)
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    m_t = o_t < n
+    m_k = o_k < DK
+    m_v = o_v < DV
+    tok = start + o_t
+
+    # Padding rows load k = v = beta = g = 0, as the reference pads: they change nothing.
+    p_k = k + tok[:, None] * stride_kt + i_hk * stride_kh + o_k[None, :]
+    b_k = tl.load(p_k, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)  # [BT, BK]
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]  # same eps as reference.l2norm
+    b_g = tl.load(g + tok * stride_gt + i_h * stride_gh, mask=m_t, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + tok * stride_bt + i_h * stride_bh, mask=m_t, other=0.0).to(tl.float32)
+    b_c = tl.cumsum(b_g, axis=0)  # [BT]
+    b_kb = b_k * b_beta[:, None]
+
+    # -A, A_ij = beta_i exp(c_i - c_j) k_i.k_j for j < i (the exponent is zeroed elsewhere: it may overflow).
+    m_strict = o_t[:, None] > o_t[None, :]
+    decay = tl.exp(tl.where(m_strict, b_c[:, None] - b_c[None, :], 0.0))
+    b_a = tl.dot(b_kb, tl.trans(b_k), input_precision="ieee")  # [BT, BT]
+    b_a = -tl.where(m_strict, b_a * decay, 0.0)
+    # Forward substitution, a row at a time: row i of (I + A)^-1 - I is -A_i + sum_{j<i} -A_ij (row j of it).
+    for i in range(1, BT):
+        m_row = o_t == i
+        b_row = tl.sum(tl.where(m_row[:, None], b_a, 0.0), axis=0)  # [BT]
+        b_row = b_row + tl.sum(b_row[:, None] * b_a, axis=0)
+        b_a = tl.where(m_row[:, None], b_row[None, :], b_a)
+    b_a = b_a + tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)  # [BT, BT] (I + A)^-1
+
+    b_kd = tl.dot(b_a, b_kb * tl.exp(b_c)[:, None], input_precision="ieee")  # [BT, BK]
+    p_v = v + tok[:, None] * stride_vt + i_h * stride_vh + o_v[None, :]
+    b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BT, BV]
+    b_w = tl.dot(b_a, b_v * b_beta[:, None], input_precision="ieee")  # [BT, BV]
+
+    base = i_c * HV + i_h
+    tl.store(kd + (base * BT + o_t[:, None]) * DK + o_k[None, :], b_kd, mask=m_k[None, :])
+    tl.store(w + (base * BT + o_t[:, None]) * DV + o_v[None, :], b_w, mask=m_v[None, :])
+    tl.store(cum + base * BT + o_t, b_c)
+
+
+@triton.jit
+def _chunk_state_kernel(
+    q,  # [T, Hk, dk]
+    k,  # [T, Hk, dk]
+    w,  # [NC, Hv, BT, dv] fp32 from _chunk_wy_kernel
+    kd,  # [NC, Hv, BT, dk] fp32 from _chunk_wy_kernel
+    cum,  # [NC, Hv, BT] fp32 from _chunk_wy_kernel
+    state,  # [S, Hv, dk, dv] fp32
+    out,  # [T, Hv, dv], contiguous
+    seqs,  # [N, 5] int32: start, length, slot, flags, index of the first chunk
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ss,
+    stride_sh,
+    stride_sk,
+    stride_sv,
+    HV,
+    RATIO,
+    DK,
+    DV,
+    scale,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    i_hk = i_h // RATIO
+    start = tl.load(seqs + i_n * 5 + 0).to(tl.int64)
+    length = tl.load(seqs + i_n * 5 + 1)
+    slot = tl.load(seqs + i_n * 5 + 2).to(tl.int64)
+    flags = tl.load(seqs + i_n * 5 + 3)
+    chunk0 = tl.load(seqs + i_n * 5 + 4).to(tl.int64)
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < DK
+    m_v = o_v < DV
+    m_causal = o_t[:, None] >= o_t[None, :]
+    p_s = state + i_h * stride_sh + o_k[:, None] * stride_sk + o_v[None, :] * stride_sv  # [BK, BV]
+
+    # As in the recurrent kernel: no context (flag bit 1 clear) starts from zeros, the slot may hold garbage.
+    m_read = (o_k[:, None] < tl.where((flags & 1) != 0, DK, 0)) & m_v[None, :]
+    b_s = tl.load(p_s + slot * stride_ss, mask=m_read, other=0.0).to(tl.float32)  # [BK, BV]
+
+    for i in range(0, tl.cdiv(length, BT)):
+        tok = start + i * BT + o_t  # [BT]
+        m_t = o_t < length - i * BT
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(q + tok[:, None] * stride_qt + i_hk * stride_qh + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(k + tok[:, None] * stride_kt + i_hk * stride_kh + o_k[None, :], mask=m_tk, other=0.0)
+        b_q = b_q.to(tl.float32)
+        b_k = b_k.to(tl.float32)
+        b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q, axis=1) + 1e-6) * scale)[:, None]  # [BT, BK]
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]  # [BT, BK]
+
+        base = (chunk0 + i) * HV + i_h
+        b_c = tl.load(cum + base * BT + o_t)  # [BT]
+        b_last = tl.load(cum + base * BT + BT - 1)
+        b_kd = tl.load(kd + (base * BT + o_t[:, None]) * DK + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_w = tl.load(w + (base * BT + o_t[:, None]) * DV + o_v[None, :], mask=m_v[None, :], other=0.0)
+
+        # u = w - kd S0: the values the chunk writes, given the state it starts from.
+        b_u = b_w - tl.dot(b_kd, b_s, input_precision="ieee")  # [BT, BV]
+        decay = tl.exp(tl.where(m_causal, b_c[:, None] - b_c[None, :], 0.0))
+        b_qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
+        b_qk = tl.where(m_causal, b_qk * decay, 0.0)  # [BT, BT]
+        b_o = tl.dot(b_q * tl.exp(b_c)[:, None], b_s, input_precision="ieee")
+        b_o = b_o + tl.dot(b_qk, b_u, input_precision="ieee")  # [BT, BV]
+        p_o = out + (tok[:, None] * HV + i_h) * DV + o_v[None, :]
+        tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+        b_kend = b_k * tl.exp(b_last - b_c)[:, None]  # [BT, BK] keys decayed to the chunk's end
+        b_s = b_s * tl.exp(b_last) + tl.dot(tl.trans(b_kend), b_u, input_precision="ieee")
+
+    tl.store(p_s + slot * stride_ss, b_s, mask=m_k[:, None] & m_v[None, :])
+
+
 def _seq_table(layout: SeqLayout) -> torch.Tensor:
     """[N, 4] int32 (start, length, slot, flags) of the sequences the recurrent kernel runs."""
     rows = [
@@ -123,6 +283,89 @@ def _token_slots(layout: SeqLayout) -> torch.Tensor:
         start = layout.cu_seqlens[i]
         slots[start : start + len(targets)] = targets
     return torch.tensor(slots, dtype=torch.int32)
+
+
+def _chunk_tables(layout: SeqLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked kernels' tables: [N, 5] int32 (start, length, slot, flags, first chunk) of the long
+    sequences, and [NC, 2] int32 (first token, tokens) of their chunks, numbered in sequence order."""
+    seqs, chunks = [], []
+    for i, (n, c) in enumerate(zip(layout.query_lens, layout.context_lens, strict=True)):
+        if n <= MAX_RECURRENT:
+            continue
+        start = layout.cu_seqlens[i]
+        seqs.append((start, n, layout.slots[i], _HAS_CONTEXT if c > 0 else 0, len(chunks)))
+        chunks += [(start + j, min(BT, n - j)) for j in range(0, n, BT)]
+    return (
+        torch.tensor(seqs, dtype=torch.int32).reshape(-1, 5),
+        torch.tensor(chunks, dtype=torch.int32).reshape(-1, 2),
+    )
+
+
+def _chunked(q, k, v, g, beta, state, layout: SeqLayout, out: torch.Tensor) -> None:
+    """The sequences longer than MAX_RECURRENT, all at once: WY factors per chunk, then the state walk."""
+    hk, dk = q.shape[1], q.shape[2]
+    hv, dv = v.shape[1], v.shape[2]
+    seqs = layout._cached("gated_delta.chunked_seqs", q.device, lambda: _chunk_tables(layout)[0])
+    chunks = layout._cached("gated_delta.chunks", q.device, lambda: _chunk_tables(layout)[1])
+    num_chunks = chunks.shape[0]
+    # fp32 scratch, 3 x 64 KiB per (chunk, value head) at dk = dv = 128.
+    w = torch.empty(num_chunks, hv, BT, dv, dtype=torch.float32, device=q.device)
+    kd = torch.empty(num_chunks, hv, BT, dk, dtype=torch.float32, device=q.device)
+    cum = torch.empty(num_chunks, hv, BT, dtype=torch.float32, device=q.device)
+    # tl.dot needs every dimension >= 16.
+    bk = max(16, triton.next_power_of_2(dk))
+    _chunk_wy_kernel[(num_chunks, hv)](
+        k,
+        v,
+        g,
+        beta,
+        chunks,
+        w,
+        kd,
+        cum,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        g.stride(1),
+        beta.stride(0),
+        beta.stride(1),
+        hv,
+        hv // hk,
+        dk,
+        dv,
+        BT=BT,
+        BK=bk,
+        BV=max(16, triton.next_power_of_2(dv)),
+        num_warps=8,
+    )
+    bv = max(16, min(triton.next_power_of_2(dv), 32))
+    _chunk_state_kernel[(seqs.shape[0] * hv, triton.cdiv(dv, bv))](
+        q,
+        k,
+        w,
+        kd,
+        cum,
+        state,
+        out,
+        seqs,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        *state.stride(),
+        hv,
+        hv // hk,
+        dk,
+        dv,
+        dk**-0.5,
+        BT=BT,
+        BK=bk,
+        BV=bv,
+        num_warps=4,
+        num_stages=1,
+    )
 
 
 def _launch_config(num_heads: int, dv: int) -> tuple[int, int]:
@@ -214,9 +457,24 @@ def gated_delta_rule(
             num_warps=num_warps,
         )
 
-    for i in long_seqs:
+    if long_seqs:
+        if dispatch.prefill_kernels_enabled():
+            _chunked(q, k, v, g, beta, state, layout, out)
+        else:
+            _reference_long(q, k, v, g, beta, state, layout, long_seqs, out)
+    return out
+
+
+def _reference_long(q, k, v, g, beta, state, layout: SeqLayout, seqs: tuple[int, ...], out) -> None:
+    """Long sequences one at a time through the reference's chunked (WY) form."""
+    ratio = v.shape[1] // q.shape[1]
+    for i in seqs:
         start, n = layout.cu_seqlens[i], layout.query_lens[i]
         sl = slice(start, start + n)
-        one = SeqLayout((n,), (layout.context_lens[i],), (layout.slots[i],))
-        out[sl] = reference.gated_delta_rule(q[sl], k[sl], v[sl], g[sl], beta[sl], state, one)
-    return out
+        qf = (reference.l2norm(q[sl].float()) * q.shape[-1] ** -0.5).repeat_interleave(ratio, dim=1)
+        kf = reference.l2norm(k[sl].float()).repeat_interleave(ratio, dim=1)
+        slot = layout.slots[i]
+        s0 = state[slot].float() if layout.context_lens[i] > 0 else qf.new_zeros(state.shape[1:])
+        o, s = reference.chunked(qf, kf, v[sl].float(), g[sl].float(), beta[sl].float(), s0)
+        out[sl] = o.to(out.dtype)
+        state[slot] = s.to(state.dtype)

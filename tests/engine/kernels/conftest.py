@@ -3,7 +3,14 @@ there is one. The variable must be set before a kernel module is imported (at `@
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _prefill_kernels_on(monkeypatch):
+    """Kernel tests test the Triton prefill kernels too (the engine gates them until a GPU run; dispatch)."""
+    monkeypatch.setenv("ENCLAVE_TRITON_PREFILL", "1")

@@ -1,12 +1,14 @@
 """The Triton paged attention against the torch reference (Triton's interpreter on the CPU, the GPU if any).
 
-Caches start as NaN except the context rows, so a stale row that leaks into an output shows up.
+Caches start as NaN except the context rows, so a stale row that leaks into an output shows up. Short
+sequences (at most 8 new tokens) take the decode/verify kernel, longer ones the prefill kernel.
 """
 
 import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.kernels import SeqLayout, dispatch
 from engine.kernels.attention import reference
@@ -59,12 +61,18 @@ def check(case, dtype, **kwargs):
     scale = q.shape[-1] ** -0.5
     kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
     expected = reference.attention(q, k, v, kc_ref, vc_ref, layout, scale)
-    got = attention_triton.paged_attention(q, k, v, k_cache, v_cache, layout, scale, **kwargs)
+    with pytest.MonkeyPatch.context() as mp:  # the Triton path must not fall back to SDPA
+        mp.setattr(F, "scaled_dot_product_attention", _no_sdpa)
+        got = attention_triton.paged_attention(q, k, v, k_cache, v_cache, layout, scale, **kwargs)
     assert got.dtype == q.dtype and got.shape == q.shape
     assert not got.isnan().any()
     torch.testing.assert_close(got, expected, **TOL[dtype])
     torch.testing.assert_close(k_cache, kc_ref, equal_nan=True, rtol=0, atol=0)
     torch.testing.assert_close(v_cache, vc_ref, equal_nan=True, rtol=0, atol=0)
+
+
+def _no_sdpa(*args, **kwargs):
+    raise AssertionError("the Triton attention called torch's SDPA")
 
 
 HEADS = [(2, 2, 32), (3, 1, 16), (6, 2, 16)]  # (Hq, Hkv, D): GQA ratios 1, 3 (odd head counts), 3
@@ -91,14 +99,45 @@ def test_verify_steps_and_decodes(dtype, block_size):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_mixed_decode_and_prefill(dtype):
-    # 20 and 9 new tokens go through the reference's SDPA path, the rest through the kernel
+    # 20 and 9 new tokens go through the prefill kernel, the rest through the decode/verify kernel
     case = make_case((1, 20, 4, 9, 1), (37, 0, 5, 30, 0), hq=6, hkv=2, d=16, block_size=4, dtype=dtype)
     check(case, dtype, block_n=16)
+
+
+def test_mixed_with_split_kv_and_long_prefill():
+    # a split decode over a long context beside prefill chunks of several tiles, default tiling
+    case = make_case((1, 130, 4, 65), (700, 200, 3, 0), hq=6, hkv=2, d=16, block_size=16, seed=3)
+    check(case, torch.float32, num_splits=4)
 
 
 def test_prefill_only_layout():
     case = make_case((12, 30), (0, 7), hq=3, hkv=1, d=16, block_size=4)
     check(case, torch.float32)
+
+
+@pytest.mark.parametrize("context", [0, 37])
+@pytest.mark.parametrize("n", [9, 63, 65, 130, 300])
+def test_prefill_chunk_lengths(n, context):
+    # 32-token tiles over 16-key blocks: tile edges fall inside and on cache blocks, the diagonal spans
+    # key blocks
+    case = make_case((n,), (context,), hq=3, hkv=1, d=16, block_size=4, seed=n + context)
+    check(case, torch.float32, block_m=32, block_n=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [(2, 2, 32), (6, 2, 16)])  # GQA 1 and 3
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefill_batch(dtype, heads, block_size):
+    hq, hkv, d = heads
+    case = make_case((65, 130, 9), (0, 50, 3), hq=hq, hkv=hkv, d=d, block_size=block_size, dtype=dtype)
+    check(case, dtype, block_m=32, block_n=16)
+
+
+@pytest.mark.parametrize("block_m, block_n", [(16, 64), (64, 16), (None, None)])
+def test_prefill_tilings(block_m, block_n):
+    # keys blocks wider and narrower than query tiles; None: the tiles the wrapper picks (64 x 64)
+    case = make_case((300, 63), (20, 0), hq=3, hkv=1, d=16, block_size=16, seed=7)
+    check(case, torch.float32, block_m=block_m, block_n=block_n)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
@@ -148,6 +187,9 @@ def test_strided_inputs_and_dispatch(monkeypatch):
         ((4, 4), (30000, 17)),  # verify over a long context: split-KV
         ((8, 8, 1), (5000, 3, 100)),  # the longest verify step: a 64-row tile
         ((1, 300, 4, 1), (5000, 0, 12, 1)),  # decodes, a prefill chunk, a verify step
+        ((8192,), (0,)),  # the first chunk of a long prompt
+        ((2000, 9), (14000, 0)),  # a later chunk over a long context, a short prompt
+        ((1, 1, 4, 1000, 63), (900, 20000, 40, 3000, 5)),  # decodes, verify, two chunks
     ],
 )
 def test_real_shapes_bf16(query_lens, context_lens):
@@ -163,3 +205,20 @@ def test_real_shapes_bf16(query_lens, context_lens):
     # bf16 keeps 8 bits: inputs, softmax weights and output are each rounded once (~4e-3 relative each).
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(k_cache.float(), kc32, equal_nan=True, rtol=0, atol=0)
+
+
+def test_prefill_kernel_gated_off_uses_the_reference_for_long_sequences(monkeypatch):
+    """Until a GPU run validates the prefill kernel, CUDA prefill chunks take the SDPA reference."""
+    monkeypatch.delenv("ENCLAVE_TRITON_PREFILL", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the decode kernel stays interpreted here
+    q, k, v, k_cache, v_cache, layout = make_case(
+        (1, 20, 4, 9), (37, 0, 5, 30), hq=6, hkv=2, d=16, block_size=4, dtype=torch.float32
+    )
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    expected = reference.attention(q, k, v, kc_ref, vc_ref, layout, 0.25)
+    calls = []
+    real = reference.long_sequences
+    monkeypatch.setattr(reference, "long_sequences", lambda *a: calls.append(1) or real(*a))
+    got = attention_triton.paged_attention(q, k, v, k_cache, v_cache, layout, 0.25)
+    assert calls == [1]
+    torch.testing.assert_close(got, expected, **TOL[torch.float32])

@@ -168,6 +168,44 @@ def _attention_cases() -> list[Case]:
                 dict(num_warps=4),
             )
         )
+    # Prefill chunks (the long path): 16-bit inputs take 64 x 64 tiles and 8 warps, fp32 16 x 16 and 4.
+    for dt, precision, block, warps in (("bf16", "tf32", 64, 8), ("fp32", "ieee", 16, 4)):
+        cases.append(
+            Case(
+                f"attention prefill {dt} BLOCK_M={block} BLOCK_N={block}",
+                "attention",
+                "_prefill_attention_kernel",
+                dict(
+                    q_ptr=f"*{dt}",
+                    k_cache_ptr=f"*{dt}",
+                    v_cache_ptr=f"*{dt}",
+                    out_ptr=f"*{dt}",
+                    block_tables_ptr="*i32",
+                    seq_info_ptr="*i32",
+                    tiles_ptr="*i32",
+                    scale_log2=HEAD_DIM**-0.5 * 1.4426950408889634,
+                    stride_qt=HQ * HEAD_DIM,
+                    stride_qh=HEAD_DIM,
+                    stride_kb=KV_BLOCK * HKV * HEAD_DIM,
+                    stride_kr=HKV * HEAD_DIM,
+                    stride_kh=HEAD_DIM,
+                    stride_vb=KV_BLOCK * HKV * HEAD_DIM,
+                    stride_vr=HKV * HEAD_DIM,
+                    stride_vh=HEAD_DIM,
+                    stride_ot=HQ * HEAD_DIM,
+                    stride_oh=HEAD_DIM,
+                    stride_bt=ANY,
+                    GROUP=GROUP,
+                    KV_BLOCK=KV_BLOCK,
+                    HEAD_DIM=HEAD_DIM,
+                    BLOCK_D=HEAD_DIM,
+                    BLOCK_M=block,
+                    BLOCK_N=block,
+                    DOT_PRECISION=precision,
+                ),
+                dict(num_warps=warps, num_stages=2),
+            )
+        )
     return cases
 
 
@@ -342,6 +380,63 @@ def _gated_delta_cases() -> list[Case]:
                     dict(num_warps=warps),
                 )
             )
+    # Chunked prefill: WY factors per (chunk, value head), then the state walk per (sequence, head, dv tile).
+    strides = dict(stride_kt=CONV_DIM, stride_kh=LIN_D, stride_gt=LIN_HV, stride_gh=1)
+    shape = dict(HV=LIN_HV, RATIO=LIN_HV // LIN_HK, DK=LIN_D, DV=LIN_D, BT=64, BK=LIN_D)
+    cases.append(
+        Case(
+            "gated_delta bf16 chunk_wy num_warps=8",
+            "gated_delta",
+            "_chunk_wy_kernel",
+            dict(
+                k="*bf16",
+                v="*bf16",
+                g="*fp32",
+                beta="*bf16",
+                chunks="*i32",
+                w="*fp32",
+                kd="*fp32",
+                cum="*fp32",
+                **strides,
+                stride_vt=CONV_DIM,
+                stride_vh=LIN_D,
+                stride_bt=LIN_HV,
+                stride_bh=1,
+                **shape,
+                BV=LIN_D,
+            ),
+            dict(num_warps=8),
+        )
+    )
+    cases.append(
+        Case(
+            "gated_delta bf16 chunk_state BV=32 num_warps=4",
+            "gated_delta",
+            "_chunk_state_kernel",
+            dict(
+                q="*bf16",
+                k="*bf16",
+                w="*fp32",
+                kd="*fp32",
+                cum="*fp32",
+                state="*fp32",
+                out="*bf16",
+                seqs="*i32",
+                stride_qt=CONV_DIM,
+                stride_qh=LIN_D,
+                stride_kt=CONV_DIM,
+                stride_kh=LIN_D,
+                stride_ss=LIN_HV * LIN_D * LIN_D,
+                stride_sh=LIN_D * LIN_D,
+                stride_sk=LIN_D,
+                stride_sv=1,
+                **shape,
+                scale=LIN_D**-0.5,
+                BV=32,
+            ),
+            dict(num_warps=4, num_stages=1),
+        )
+    )
     return cases
 
 
