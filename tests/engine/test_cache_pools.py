@@ -9,6 +9,7 @@ from engine.config import config_from_dict
 from engine.errors import EngineError
 from engine.kernels.layout import SHORT_QUERY, SeqLayout
 from engine.planner import DEFAULT_CPU_CACHE_BYTES, activation_bytes, memory_budget, plan_cache
+from tests.engine.factories import BASE
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -16,24 +17,10 @@ LINEAR, FULL = "linear_attention", "full_attention"
 def small_config(**overrides):
     """4 DeltaNet layers and 2 attention layers (different counts, so a swap would show)."""
     raw = {
+        **BASE,
         "model_type": "qwen3_5_moe_text",
-        "vocab_size": 96,
-        "hidden_size": 48,
         "num_hidden_layers": 6,
         "layer_types": [LINEAR, LINEAR, FULL, LINEAR, LINEAR, FULL],
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 8,
-        "linear_value_head_dim": 12,
-        "linear_conv_kernel_dim": 4,
-        "moe_intermediate_size": 20,
-        "shared_expert_intermediate_size": 24,
-        "num_experts": 8,
-        "num_experts_per_tok": 3,
-        "max_position_embeddings": 512,
         **overrides,
     }
     return config_from_dict(raw)
