@@ -13,6 +13,7 @@ tokens, which slot and block copies to make first) and is told afterwards how ma
 
 from __future__ import annotations
 
+import bisect
 import logging
 from dataclasses import dataclass, field
 
@@ -117,8 +118,7 @@ class Scheduler:
         return sum(1 for s in self.waiting if s.compute_target is None)
 
     def _enqueue(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
-        self.waiting.sort(key=_order)
+        bisect.insort(self.waiting, seq, key=_order)  # after equal keys: arrival order holds
 
     def _release_prefix_user(self, seq: Sequence) -> None:
         if seq.prefix is not None and seq.compute_target is None:
