@@ -17,7 +17,7 @@ from engine.cache import ModelCache
 from engine.kernels import SeqLayout
 from engine.model.model import CausalLM
 from engine.planner import CachePlan
-from engine.sampler import filtered_probs, logprob_entries
+from engine.sampler import draw, filtered_probs, logprob_entries
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
 from engine.speculative import accept_greedy, accept_sampled
@@ -133,8 +133,7 @@ class ModelRunner:
                     draft_probs[torch.arange(len(drafts)), torch.tensor(drafts)] = 1.0
                 tokens = accept_sampled(probs, draft_probs, drafts, seq.generator)
             else:
-                probs = filtered_probs(logits[block][0], seq.params)
-                tokens = [int(torch.multinomial(probs, 1, generator=seq.generator)[0])]
+                tokens = [draw(logits[block][0], seq.params, seq.generator)]
             kept = len(tokens) - 1
             if drafts:
                 seq.metrics.accepted_lengths.append(kept)

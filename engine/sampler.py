@@ -34,6 +34,11 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return torch.softmax(x, dim=-1)
 
 
+def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from the filtered distribution of a sampled request: logits [V] -> token id."""
+    return int(torch.multinomial(filtered_probs(logits, params), 1, generator=generator)[0])
+
+
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
 ) -> SampleResult:
@@ -41,8 +46,7 @@ def sample(
     tokens = torch.argmax(logits, dim=-1)
     for row, p in enumerate(params):
         if not p.greedy:
-            probs = filtered_probs(logits[row], p)
-            tokens[row] = torch.multinomial(probs, 1, generator=generators[row])[0]
+            tokens[row] = draw(logits[row], p, generators[row])
     token_list = tokens.tolist()
     return SampleResult(token_list, logprob_entries(logits, token_list, [p.logprobs for p in params]))
 

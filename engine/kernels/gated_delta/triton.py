@@ -392,18 +392,8 @@ def gated_delta_rule(
     state: torch.Tensor,
     layout: SeqLayout,
 ) -> torch.Tensor:
-    """Drop-in for `reference.gated_delta_rule`: the same arguments, result and in-place state update.
-
-    Args:
-        q, k: [T, Hk, dk] raw queries and keys; l2-normalised (and q scaled by dk^-0.5) inside.
-        v: [T, Hv, dv] values; value head j uses key head j // (Hv // Hk).
-        g: [T, Hv] log decay (<= 0), fp32.
-        beta: [T, Hv] write strength in (0, 1).
-        state: [S, Hv, dk, dv] fp32 recurrent state per slot, updated in place.
-        layout: where each sequence's tokens and slot are.
-    Returns:
-        [T, Hv, dv] in v's dtype.
-    """
+    """Drop-in for `reference.gated_delta_rule` (arguments: `engine.kernels.gated_delta_rule`): the same
+    result and in-place state update."""
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     long_seqs = ()
