@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -25,6 +26,13 @@ class SeqLayout:
     token is written there (the MTP verify step keeps every position's state and commits the one the
     accepted length picks). Where it is empty or absent, the state after the last token goes back to
     `slots[i]`. Only short sequences (at most SHORT_QUERY new tokens) may ask for per-token states.
+
+    `kv_capacity`, when set, bounds every sequence's keys (context + new tokens) for the kernels' launch
+    choices (split-KV): a CUDA graph fixes those choices at capture, so they may not follow the contexts.
+
+    Kernels build their metadata tensors through `cached(key, device, build)`, where `build(layout)` makes
+    the host tensor: a CUDA graph captured with one layout refills those same tensors from the next
+    layout of the same shape (`refill_from`) before each replay.
     """
 
     query_lens: tuple[int, ...]
@@ -33,7 +41,9 @@ class SeqLayout:
     block_tables: tuple[tuple[int, ...], ...] | None = None
     block_size: int = 0
     state_out: tuple[tuple[int, ...], ...] | None = None
+    kv_capacity: int | None = None
     _tensors: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _builders: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not len(self.query_lens) == len(self.context_lens) == len(self.slots):
@@ -85,29 +95,41 @@ class SeqLayout:
     def long_seqs(self) -> tuple[int, ...]:
         return tuple(i for i, n in enumerate(self.query_lens) if n > SHORT_QUERY)
 
-    def _cached(self, key, device, build) -> torch.Tensor:
+    def cached(self, key, device, build: Callable[[SeqLayout], torch.Tensor]) -> torch.Tensor:
+        """The device tensor `build(self)` makes, built once per key and device."""
         device = torch.device(device)
         found = self._tensors.get((key, device))
         if found is None:
-            found = self._tensors[(key, device)] = build().to(device)
+            found = self._tensors[(key, device)] = build(self).to(device)
+            self._builders[(key, device)] = build
         return found
+
+    def refill_from(self, other: SeqLayout) -> None:
+        """Overwrite, in place, every tensor this layout has built with what `other` builds for the same key
+        (a CUDA graph's captured metadata, for the next step). Shapes must match."""
+        for (key, device), tensor in self._tensors.items():
+            fresh = self._builders[(key, device)](other)
+            if fresh.shape != tensor.shape:
+                shapes = f"{tuple(fresh.shape)} != {tuple(tensor.shape)}"
+                raise ValueError(f"layout tensor {key!r}: shape {shapes}")
+            tensor.copy_(fresh, non_blocking=True)
 
     def positions(self, device: torch.device | str) -> torch.Tensor:
         """[T] position of each token within its sequence."""
-        return self._cached(
+        return self.cached(
             "positions",
             device,
-            lambda: torch.tensor(
-                [c + j for c, n in zip(self.context_lens, self.query_lens, strict=True) for j in range(n)],
+            lambda lay: torch.tensor(
+                [c + j for c, n in zip(lay.context_lens, lay.query_lens, strict=True) for j in range(n)],
                 dtype=torch.long,
             ),
         )
 
     def slot_tensor(self, device: torch.device | str) -> torch.Tensor:
-        return self._cached("slots", device, lambda: torch.tensor(self.slots, dtype=torch.long))
+        return self.cached("slots", device, lambda lay: torch.tensor(lay.slots, dtype=torch.long))
 
     def context_tensor(self, device: torch.device | str) -> torch.Tensor:
-        return self._cached("context", device, lambda: torch.tensor(self.context_lens, dtype=torch.long))
+        return self.cached("context", device, lambda lay: torch.tensor(lay.context_lens, dtype=torch.long))
 
     def kv_index(self, positions: list[int], seq: int) -> list[int]:
         """Flat row (block * block_size + offset) of each position of sequence `seq` in a paged KV pool."""
@@ -119,13 +141,13 @@ class SeqLayout:
     def slot_mapping(self, device: torch.device | str) -> torch.Tensor:
         """[T] flat KV row each new token is written to."""
 
-        def build():
+        def build(lay: SeqLayout) -> torch.Tensor:
             rows = []
-            for i, (c, n) in enumerate(zip(self.context_lens, self.query_lens, strict=True)):
-                rows += self.kv_index(list(range(c, c + n)), i)
+            for i, (c, n) in enumerate(zip(lay.context_lens, lay.query_lens, strict=True)):
+                rows += lay.kv_index(list(range(c, c + n)), i)
             return torch.tensor(rows, dtype=torch.long)
 
-        return self._cached("slot_mapping", device, build)
+        return self.cached("slot_mapping", device, build)
 
     def keeps_states(self, seq: int) -> bool:
         """Sequence `seq` writes its state after every new token to `state_out[seq]`."""

@@ -33,10 +33,10 @@ def long_sequences(q, k_rows, v_rows, layout: SeqLayout, scale: float, out: torc
     """Each long sequence (a prefill chunk) on its own: SDPA over its gathered KV rows [num_blocks * bs]."""
     for i in layout.long_seqs:
         start, n, ctx = layout.cu_seqlens[i], layout.query_lens[i], layout.context_lens[i]
-        rows = layout._cached(
+        rows = layout.cached(
             ("attention_rows", i),
             q.device,
-            lambda i=i, m=ctx + n: torch.tensor(layout.kv_index(list(range(m)), i)),
+            lambda lay, i=i, m=ctx + n: torch.tensor(lay.kv_index(list(range(m)), i)),
         )
         # 4-D [1, H, m, D]: torch's fused CPU kernel only takes the batched layout (3-D falls back to math).
         keys = k_rows[rows].to(q.dtype).transpose(0, 1)[None]

@@ -360,7 +360,7 @@ def _short(q, k_cache, v_cache, layout: SeqLayout, scale, out, num_splits, block
     hkv = k_cache.shape[2]
     group = hq // hkv
     n_max = max(layout.query_lens[i] for i in seqs)
-    kv_max = max(layout.context_lens[i] + layout.query_lens[i] for i in seqs)
+    kv_max = layout.kv_capacity or max(layout.context_lens[i] + layout.query_lens[i] for i in seqs)
     tables, info = _seq_index(layout, "short", q.device)
     block_d = triton.next_power_of_2(d)
     block_m = max(16, triton.next_power_of_2(n_max * group))  # tl.dot needs at least 16 rows
@@ -463,26 +463,30 @@ def _long(q, k_cache, v_cache, layout: SeqLayout, scale, out, block_m, block_n) 
 def _seq_index(layout: SeqLayout, which: str, device) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, max_blocks] int32 block tables (padded with 0) and [B, 3] int32 (first token, new tokens,
     context) of the layout's `which` ("short" or "long") sequences, built once per layout and device."""
-    seqs = layout.short_seqs if which == "short" else layout.long_seqs
     if layout.block_tables is None:
         raise ValueError("this layout has no block tables, so it cannot address a paged KV cache")
 
-    def tables():
+    def pick(layout: SeqLayout) -> tuple[int, ...]:
+        return layout.short_seqs if which == "short" else layout.long_seqs
+
+    def tables(layout: SeqLayout) -> torch.Tensor:
+        seqs = pick(layout)
         width = max(len(layout.block_tables[i]) for i in seqs)
         return torch.tensor(
             [list(layout.block_tables[i]) + [0] * (width - len(layout.block_tables[i])) for i in seqs],
             dtype=torch.int32,
         )
 
-    def info():
+    def info(layout: SeqLayout) -> torch.Tensor:
+        seqs = pick(layout)
         return torch.tensor(
             [[layout.cu_seqlens[i], layout.query_lens[i], layout.context_lens[i]] for i in seqs],
             dtype=torch.int32,
         )
 
     return (
-        layout._cached(("attention_triton_tables", which), device, tables),
-        layout._cached(("attention_triton_info", which), device, info),
+        layout.cached(("attention_triton_tables", which), device, tables),
+        layout.cached(("attention_triton_info", which), device, info),
     )
 
 
@@ -490,14 +494,14 @@ def _prefill_tiles(layout: SeqLayout, block_m: int, device) -> torch.Tensor:
     """[num_tiles, 2] int32 (index among the long sequences, first new token) of every prefill tile, those
     with the most keys first so the last wave of programs is the shortest."""
 
-    def build():
+    def build(layout: SeqLayout) -> torch.Tensor:
         tiles = [
             (b, j0) for b, i in enumerate(layout.long_seqs) for j0 in range(0, layout.query_lens[i], block_m)
         ]
         tiles.sort(key=lambda t: -(layout.context_lens[layout.long_seqs[t[0]]] + t[1]))
         return torch.tensor(tiles, dtype=torch.int32).view(-1, 2)
 
-    return layout._cached(("attention_triton_tiles", block_m), device, build)
+    return layout.cached(("attention_triton_tiles", block_m), device, build)
 
 
 def _num_splits(num_programs: int, kv_max: int, device: torch.device) -> int:

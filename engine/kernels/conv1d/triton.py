@@ -171,7 +171,7 @@ def causal_conv1d(
 def _metadata(layout: SeqLayout, bt: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sequence table [N, 4], tile table [P, 2] and per-token state slots [T], cached in the layout."""
 
-    def build_seqs():
+    def build_seqs(layout: SeqLayout) -> torch.Tensor:
         rows = []
         for i in range(layout.num_seqs):
             flags = (_HAS_CONTEXT if layout.context_lens[i] > 0 else 0) | (
@@ -180,18 +180,18 @@ def _metadata(layout: SeqLayout, bt: int, device) -> tuple[torch.Tensor, torch.T
             rows.append((layout.cu_seqlens[i], layout.query_lens[i], layout.slots[i], flags))
         return torch.tensor(rows, dtype=torch.int32)
 
-    def build_tiles():
+    def build_tiles(layout: SeqLayout) -> torch.Tensor:
         rows = [(i, s) for i, n in enumerate(layout.query_lens) for s in range(0, n, bt)]
         return torch.tensor(rows, dtype=torch.int32)
 
-    def build_token_slots():
+    def build_token_slots(layout: SeqLayout) -> torch.Tensor:
         slots = []
         for i, n in enumerate(layout.query_lens):
             slots += list(layout.state_out[i]) if layout.keeps_states(i) else [-1] * n
         return torch.tensor(slots, dtype=torch.int32)
 
-    seqs = layout._cached("conv1d_seqs", device, build_seqs)
-    tiles = layout._cached(("conv1d_tiles", bt), device, build_tiles)
+    seqs = layout.cached("conv1d_seqs", device, build_seqs)
+    tiles = layout.cached(("conv1d_tiles", bt), device, build_tiles)
     if layout.state_out is None:
         return seqs, tiles, seqs  # never read: USE_STATE_OUT is off
-    return seqs, tiles, layout._cached("conv1d_token_slots", device, build_token_slots)
+    return seqs, tiles, layout.cached("conv1d_token_slots", device, build_token_slots)

@@ -305,8 +305,8 @@ def _chunked(q, k, v, g, beta, state, layout: SeqLayout, out: torch.Tensor) -> N
     """The sequences longer than MAX_RECURRENT, all at once: WY factors per chunk, then the state walk."""
     hk, dk = q.shape[1], q.shape[2]
     hv, dv = v.shape[1], v.shape[2]
-    seqs = layout._cached("gated_delta.chunked_seqs", q.device, lambda: _chunk_tables(layout)[0])
-    chunks = layout._cached("gated_delta.chunks", q.device, lambda: _chunk_tables(layout)[1])
+    seqs = layout.cached("gated_delta.chunked_seqs", q.device, lambda lay: _chunk_tables(lay)[0])
+    chunks = layout.cached("gated_delta.chunks", q.device, lambda lay: _chunk_tables(lay)[1])
     num_chunks = chunks.shape[0]
     # fp32 scratch, 3 x 64 KiB per (chunk, value head) at dk = dv = 128.
     w = torch.empty(num_chunks, hv, BT, dv, dtype=torch.float32, device=q.device)
@@ -404,13 +404,11 @@ def gated_delta_rule(
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     out = torch.empty(t, hv, dv, dtype=v.dtype, device=v.device)
 
-    seqs = layout._cached("gated_delta.recurrent_seqs", q.device, lambda: _seq_table(layout))
+    seqs = layout.cached("gated_delta.recurrent_seqs", q.device, _seq_table)
     if seqs.shape[0]:
         use_state_out = layout.state_out is not None and any(layout.state_out)
         token_slots = (
-            layout._cached("gated_delta.token_slots", q.device, lambda: _token_slots(layout))
-            if use_state_out
-            else seqs
+            layout.cached("gated_delta.token_slots", q.device, _token_slots) if use_state_out else seqs
         )
         bk = triton.next_power_of_2(dk)
         bv, num_warps = _launch_config(seqs.shape[0] * hv, dv)

@@ -1,0 +1,112 @@
+"""Where one engine step spends its time: torch.profiler over prefill and decode steps of a preset model.
+
+    python benchmarks/profile_step.py [--preset qwen3.5-35b-a3b|tiny] [--out DIR] [--rows 25]
+
+For each case (a prefill step of 2 x 4096 prompt tokens, decode steps at batch 1 and 64) it prints the
+step's wall time, the device time the profiler saw, the number of kernel launches, and the ops that took
+most device time and most host time. Tables go to stdout and, with --out, to DIR/profile_<case>.txt; the
+summary to DIR/profile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.bench.device import sync
+from engine.bench.harness import Bench
+from engine.bench.presets import PRESETS, random_model
+from engine.bench.settings import GIB, QUICK, Settings
+from engine.bench.traffic import param_counts
+from engine.config import config_from_dict
+
+
+def build(preset: str, device: torch.device, dtype: torch.dtype) -> Bench:
+    config = config_from_dict(PRESETS[preset](), source=f"preset {preset}")
+    model = random_model(config, device, dtype, seed=0)
+    settings = Settings(
+        max_seconds=60.0, kv_cache_bytes=8 * GIB, max_num_batched_tokens=8192, max_num_seqs=64, seed=0
+    )
+    return Bench(model, config, param_counts(config), device, dtype, QUICK, settings, 1.0, 1.0)
+
+
+def case(b: Bench, name: str, batch: int, prompt: int, decode: bool, rows: int, out: Path | None) -> dict:
+    """Prefill `batch` prompts; profile the first prefill step, or (decode) a decode step after warm-up."""
+    if not decode:  # compile for the prefill shapes first, on a core of its own
+        warm = b.core(batch, prompt + 32)
+        b.add(warm, batch, prompt, 2, prompt + 32)
+        while warm.has_work():
+            warm.step()
+        del warm
+    core = b.core(batch, prompt + 32)
+    seqs = b.add(core, batch, prompt, 24, prompt + 32)
+    if decode:
+        while any(not s.output_ids for s in seqs):
+            core.step()
+        for _ in range(4):
+            core.step()
+    if decode:  # one more step, timed without the profiler (a prefill step is timed by the profiled run)
+        sync(b.device)
+        start = time.perf_counter()
+        core.step()
+        sync(b.device)
+        wall = time.perf_counter() - start
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.device.type == "cuda" else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        core.step()
+        sync(b.device)
+    if not decode:
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_us = sum(e.self_device_time_total for e in kernels)
+    launches = sum(e.count for e in kernels)
+    by_device = events.table(sort_by="self_device_time_total", row_limit=rows) if kernels else ""
+    by_host = events.table(sort_by="self_cpu_time_total", row_limit=rows)
+    text = (
+        f"== {name}: wall {wall * 1e3:.2f} ms, device {device_us / 1e3:.2f} ms, {launches} kernels\n"
+        f"-- by device time\n{by_device}\n-- by host time\n{by_host}\n"
+    )
+    print(text, flush=True)
+    if out is not None:
+        (out / f"profile_{name}.txt").write_text(text)
+    return {"wall_ms": wall * 1e3, "device_ms": device_us / 1e3, "kernels": launches}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3.5-35b-a3b")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--cases", default="prefill,decode1,decode64")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    b = build(args.preset, device, dtype)
+    small = args.preset == "tiny" or device.type == "cpu"
+    plans = {
+        "prefill": (2, 512 if small else 4096, False),
+        "decode1": (1, 64 if small else 512, True),
+        "decode64": (8 if small else 64, 64 if small else 512, True),
+    }
+    summary = {}
+    with torch.inference_mode():
+        for name in args.cases.split(","):
+            batch, prompt, decode = plans[name]
+            summary[name] = case(b, name, batch, prompt, decode, args.rows, args.out)
+    print(json.dumps(summary, indent=1))
+    if args.out is not None:
+        (args.out / "profile.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
