@@ -6,6 +6,7 @@ import time
 
 from engine.allocator import BlockAllocator, SlotAllocator
 from engine.cache import ModelCache
+from engine.graphs import DecodeGraphs, graphs_wanted
 from engine.model.model import CausalLM
 from engine.outputs import EngineStats
 from engine.planner import CachePlan
@@ -35,15 +36,17 @@ class EngineCore:
         max_prefixes: int = 4,
         drafter: Drafter | None = None,
         mtp_hidden: str = "normed",
+        cuda_graphs: bool = True,
     ) -> None:
         config = model.config
         device = model.inv_freq.device
         dtype = model.model.embed_tokens.weight.dtype
         num_mtp = len(model.mtp.layers) if model.mtp is not None and num_speculative_tokens else 0
         self.plan = plan
-        self.cache = ModelCache(
-            config, plan.total_slots, plan.num_blocks, plan.block_size, device, dtype, num_mtp
-        )
+        graphs = int(cuda_graphs and graphs_wanted(device))
+        # With CUDA graphs one more slot and block, past the allocators' ranges, take the padding sequences.
+        slots, blocks = plan.total_slots + graphs, plan.num_blocks + graphs
+        self.cache = ModelCache(config, slots, blocks, plan.block_size, device, dtype, num_mtp)
         self.slots = SlotAllocator(plan.num_slots)
         self.blocks = BlockAllocator(plan.num_blocks, plan.block_size)
         self.scheduler = Scheduler(
@@ -54,7 +57,11 @@ class EngineCore:
             num_speculative_tokens=num_speculative_tokens,
             max_prefixes=max_prefixes,
         )
-        self.runner = ModelRunner(model, self.cache, plan, num_speculative_tokens, drafter, mtp_hidden)
+        pads = (plan.total_slots, plan.num_blocks)
+        decode_graphs = DecodeGraphs(model, self.cache, *pads, max_num_seqs) if graphs else None
+        self.runner = ModelRunner(
+            model, self.cache, plan, num_speculative_tokens, drafter, mtp_hidden, decode_graphs
+        )
         self.steps = 0
         self.prompt_tokens = 0
         self.generated_tokens = 0

@@ -67,6 +67,7 @@ class Engine:
         max_prefixes: int = 4,
         drafter: Drafter | None = None,
         mtp_hidden: str = "normed",
+        cuda_graphs: bool = True,
     ) -> None:
         if mtp_hidden not in MTP_HIDDEN:
             raise EngineError(f"mtp_hidden must be one of {', '.join(MTP_HIDDEN)}, got {mtp_hidden!r}")
@@ -120,6 +121,7 @@ class Engine:
             max_prefixes=max_prefixes,
             drafter=drafter,
             mtp_hidden=mtp_hidden,
+            cuda_graphs=cuda_graphs,
         )
         self._cond = threading.Condition()
         self._inbox: list[tuple[Sequence, Future]] = []
@@ -146,7 +148,8 @@ class Engine:
         `options` are the serving settings of `Engine.__init__`: max_num_seqs, max_num_batched_tokens,
         num_speculative_tokens, max_model_len, kv_cache_memory (bytes), gpu_memory_utilization,
         block_size, max_prefixes, mtp_hidden ("normed": the MTP head reads the final-normed hidden
-        state, as vLLM feeds it; "raw": before the final norm).
+        state, as vLLM feeds it; "raw": before the final norm), cuda_graphs (True: decode and verify
+        steps replay CUDA graphs on CUDA; ENCLAVE_CUDA_GRAPHS=0 also turns them off).
         """
         device = _device(device)
         dtype = _dtype(dtype, device)

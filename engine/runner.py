@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.cache import ModelCache
+from engine.graphs import DecodeGraphs
 from engine.kernels import SeqLayout
 from engine.model.model import CausalLM
 from engine.planner import CachePlan
@@ -43,6 +44,7 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
         drafter: Drafter | None = None,
         mtp_hidden: str = "normed",
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         if mtp_hidden not in MTP_HIDDEN:
             raise ValueError(f"mtp_hidden must be one of {', '.join(MTP_HIDDEN)}, got {mtp_hidden!r}")
@@ -53,6 +55,7 @@ class ModelRunner:
         self.device = cache.device
         self.k = num_speculative_tokens
         self.drafter = drafter
+        self.graphs = graphs  # CUDA graphs for decode and verify steps; None runs every step eagerly
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -62,7 +65,9 @@ class ModelRunner:
         if not items:
             return StepResult([], 0)
         layout, ids = self._batch(items)
-        hidden = self.model(ids, layout, self.cache)
+        hidden = self.graphs.run(layout, ids) if self.graphs is not None else None
+        if hidden is None:
+            hidden = self.model(ids, layout, self.cache)
         emit_rows = self._emit_rows(items, layout)
         if self.k:
             normed = self.model.final_norm(hidden)

@@ -50,6 +50,7 @@ def test_cuda_serving_matches_cpu(tmp_path):
                 cuda.submit(p, params, prefix=prefix if i >= 4 else None) for i, p in enumerate(prompts)
             ]
             assert [f.result().token_ids for f in futures] == expected, options
+            assert cuda.core.runner.graphs.replays > 0, "decode steps should replay CUDA graphs"
     with Engine.from_pretrained(tmp_path, device="cuda", dtype="bfloat16", num_speculative_tokens=2) as bf16:
         assert all(len(o.token_ids) == 14 for o in bf16.generate(prompts, params))
         assert bf16.plan.nbytes <= bf16.plan.budget_bytes
