@@ -18,7 +18,7 @@ from engine.graphs import DecodeGraphs
 from engine.kernels import SeqLayout
 from engine.model.model import CausalLM
 from engine.planner import CachePlan
-from engine.sampler import draw, filtered_probs, logprob_entries
+from engine.sampler import draw_rows, filtered_probs, logprob_entries
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
 from engine.speculative import accept_greedy, accept_sampled
@@ -116,7 +116,7 @@ class ModelRunner:
     def _emit(
         self, items: list[ScheduledSeq], emit_rows: list[list[int]], logits: torch.Tensor, layout: SeqLayout
     ) -> tuple[list[int], int]:
-        argmax = logits.argmax(-1).tolist()
+        argmax = self._tokens(items, emit_rows, logits)
         accepted: list[int] = []
         commits: list[tuple[int, int]] = []
         generated = 0
@@ -138,7 +138,7 @@ class ModelRunner:
                     draft_probs[torch.arange(len(drafts)), torch.tensor(drafts)] = 1.0
                 tokens = accept_sampled(probs, draft_probs, drafts, seq.generator)
             else:
-                tokens = [draw(logits[block][0], seq.params, seq.generator)]
+                tokens = [argmax[block.start]]  # drawn on the device by _tokens
             kept = len(tokens) - 1
             if drafts:
                 seq.metrics.accepted_lengths.append(kept)
@@ -156,6 +156,23 @@ class ModelRunner:
             seq.draft_ids, seq.draft_probs = [], None
         self.cache.copy_slots([a for a, _ in commits], [b for _, b in commits])
         return accepted, generated
+
+    @staticmethod
+    def _tokens(items: list[ScheduledSeq], emit_rows: list[list[int]], logits: torch.Tensor) -> list[int]:
+        """Per logits row, its argmax; for a sampled request without drafts, its draw instead (all rows drawn
+        at once on the device). One host read for the whole step."""
+        tokens = logits.argmax(-1)
+        rows, seqs, offset = [], [], 0
+        for item, emitted in zip(items, emit_rows, strict=True):
+            if emitted and not item.seq.params.greedy and not item.drafts:
+                rows.append(offset)
+                seqs.append(item.seq)
+            offset += len(emitted)
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            generators = [s.generator for s in seqs]
+            tokens[index] = draw_rows(logits[index], [s.params for s in seqs], generators)
+        return tokens.tolist()
 
     def _draft(
         self,

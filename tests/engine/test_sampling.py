@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine import RequestError, SamplingParams
-from engine.sampler import filtered_probs, sample
+from engine.sampler import batch_filtered_probs, draw_rows, filtered_probs, sample
 
 PROMPTS = [[1, 40, 41, 42, 43, 44], [1, 50, 51], [1, 60, 61, 62, 63, 64, 65, 66, 67]]
 
@@ -53,6 +53,40 @@ def test_top_k_and_top_p_restrict_the_support():
     # temperature sharpens: T=0.5 squares the odds
     sharp = filtered_probs(logits, SamplingParams(temperature=0.5))
     torch.testing.assert_close(sharp, probs**2 / (probs**2).sum())
+
+
+def test_batched_filter_matches_the_per_row_filter():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=g) * 3
+    logits[2, :4] = logits[2, 4]  # ties with the k-th logit stay, as in filtered_probs
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=0.5, top_k=10, top_p=0.8),
+        SamplingParams(temperature=2.0, top_k=50, top_p=1.0),
+    ]
+    expected = torch.stack([filtered_probs(row, p) for row, p in zip(logits, params, strict=True)])
+    torch.testing.assert_close(batch_filtered_probs(logits, params), expected)
+    # Without any top-k/top-p the sort is skipped: plain softmax at each row's temperature.
+    plain = [SamplingParams(temperature=t) for t in (0.5, 1.0, 3.0, 1.0, 1.0, 1.0)]
+    rows = [filtered_probs(r, p) for r, p in zip(logits, plain, strict=True)]
+    torch.testing.assert_close(batch_filtered_probs(logits, plain), torch.stack(rows))
+
+
+def test_seeded_draws_do_not_depend_on_the_batch():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(temperature=1.0, top_k=8, seed=s) for s in range(4)]
+
+    def gens():
+        return [torch.Generator().manual_seed(100 + s) for s in range(4)]
+
+    batched = draw_rows(logits, params, gens()).tolist()
+    alone = [int(draw_rows(logits[i : i + 1], params[i : i + 1], gens()[i : i + 1])[0]) for i in range(4)]
+    assert batched == alone
+    kept = batch_filtered_probs(logits, params)
+    assert all(kept[i, t] > 0 for i, t in enumerate(batched))
 
 
 def test_sampled_frequencies_follow_the_filtered_distribution():
