@@ -6,6 +6,7 @@ from torch import nn
 
 from engine import kernels
 from engine.config import ModelConfig
+from engine.kernels.swiglu import swiglu
 
 
 class MLP(nn.Module):
@@ -18,15 +19,23 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(self.gate_up_proj(x)))
+
+
+def _hooked(*modules: nn.Module) -> bool:
+    """Whether any of `modules` carries forward hooks (engine.bench's expert load, tests): those run, and may
+    change what it computes, only when the module itself is called, so such a module is not fused."""
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 class SparseMoe(nn.Module):
     """Top-k routed experts plus a shared expert scaled by sigmoid(shared_expert_gate(x)).
 
-    With `quantization="fp8"` only the shared expert runs in FP8 (`Fp8Linear`); the stacked experts stay in
-    the model dtype (an FP8 checkpoint's dequantised at load) until a fused FP8 MoE kernel exists.
+    The shared expert runs as one more expert of the grouped GEMMs (id E, its gate logit one more column of
+    the router's GEMM), so the block is router GEMM, routing, and the experts' kernels. With
+    `quantization="fp8"` the shared expert is FP8 (`Fp8Linear`) and runs on its own; the stacked experts stay
+    in the model dtype (an FP8 checkpoint's dequantised at load) until a fused FP8 MoE kernel exists. Modules
+    with forward hooks run as themselves, unfused (see `_hooked`).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -41,10 +50,36 @@ class SparseMoe(nn.Module):
         shared = config.shared_expert_intermediate_size
         self.shared_expert = MLP(h, shared) if shared > 0 else None
         self.shared_expert_gate = nn.Linear(h, 1, bias=False) if shared > 0 else None
+        self._router: tuple[tuple, torch.Tensor] | None = None  # (source key, [E + 1, H] weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = kernels.moe_route(self.gate(x), self.top_k, self.renormalize)
-        out = kernels.moe_experts(x, self.w13, self.w2, weights, ids)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        if self.shared_expert is None:
+            weights, ids = kernels.moe_route(self.gate(x), self.top_k, self.renormalize)
+            return kernels.moe_experts(x, self.w13, self.w2, weights, ids)
+        if _hooked(self.gate, self.shared_expert_gate):
+            logits = torch.cat([self.gate(x), self.shared_expert_gate(x)], dim=-1)
+        else:
+            logits = F.linear(x, self.router_weight())  # [T, E + 1]: router logits, then the shared gate's
+        weights, ids = kernels.moe_route(logits, self.top_k, self.renormalize, shared=True)  # [T, k + 1]
+        shared = self.shared_expert
+        gate_up, down = shared.gate_up_proj, shared.down_proj
+        plain = isinstance(gate_up, nn.Linear) and isinstance(down, nn.Linear)
+        if plain and not _hooked(shared, gate_up, down):
+            return kernels.moe_experts(x, self.w13, self.w2, weights, ids, gate_up.weight, down.weight)
+        k = self.top_k  # an FP8 shared expert: on its own, added with its slot's weight by the combine
+        shared = self.shared_expert(x)
+        return kernels.moe_experts(
+            x, self.w13, self.w2, weights[:, :k], ids[:, :k], shared_out=shared, shared_gate=weights[:, k]
+        )
+
+    def router_weight(self) -> torch.Tensor:
+        """[E + 1, H]: the router's rows, then the shared expert gate's, so one GEMM gives both.
+
+        The loader fills `gate` and `shared_expert_gate` by name; the concatenation is made on first use and
+        again whenever either weight moves or is written in place (its storage or version changes).
+        """
+        parts = (self.gate.weight, self.shared_expert_gate.weight)
+        key = tuple((p.data_ptr(), p.device, p.dtype, 0 if p.is_inference() else p._version) for p in parts)
+        if self._router is None or self._router[0] != key:
+            self._router = (key, torch.cat([p.detach() for p in parts]))
+        return self._router[1]

@@ -1,37 +1,45 @@
-"""Triton MoE: fused top-k softmax routing, and the routed experts as two grouped GEMMs over sorted rows.
+"""Triton MoE: fused top-k softmax routing; the experts as two grouped GEMMs over sorted rows, then a combine.
 
-`experts` sorts the T*k (token, slot) pairs by expert and pads each expert's run to a multiple of BLOCK_M
-(vLLM's "moe_align_block_size"), so every BLOCK_M rows of the sorted list belong to one expert. Then
-  1. gate/up GEMM: act[pair] = silu(x[token] @ w13[e, :I].T) * (x[token] @ w13[e, I:].T)   -> [T*k, I]
-  2. down GEMM:    out[pair] = weight[pair] * (act[pair] @ w2[e].T)                         -> [T*k, H]
-and the k slots of each token are summed in torch. One design serves every T; see `_config` for the blocks.
+`experts` groups the T*S (token, slot) pairs by expert and pads each expert's run to a multiple of BLOCK_M
+(`align.align_block_size`, vLLM's "moe_align_block_size"), so every BLOCK_M rows of the sorted list belong to
+one expert. Expert id E (one past the routed experts) is the shared expert, whose weights come as separate
+tensors: it is one more slot of every token, weighted by sigmoid(its gate logit). Then
+  1. gate/up GEMM: act[pair] = silu(x[token] @ w13[e, :I].T) * (x[token] @ w13[e, I:].T)   -> [T*S, I]
+  2. down GEMM:    part[pair] = weight[pair] * (act[pair] @ w2[e].T)                        -> [T*S, H]
+     (optionally split over I into fp32 partial sums, `ExpertsConfig.split_k`)
+  3. combine:      out[token] = sum over its slots (and splits) of part, in fp32            -> [T, H]
+     (plus, for an FP8 shared expert run outside, shared_gate * shared_out)
+Four launches in all (align takes two above 256 pairs); each choice comes from shapes, none from data, so
+all of it can be captured in a CUDA graph. See `config.choose_config` for the blocks.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from engine.kernels.moe import reference
+from engine.kernels.moe.align import _align_kernel, _count_kernel, align_block_size  # noqa: F401 (sm_90 test)
+from engine.kernels.moe.config import ExpertsConfig, GemmTiles, choose_config
 
 _DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
 def _route_kernel(
-    logits_ptr,  # [T, E] any float dtype
-    weights_ptr,  # [T, TOP_K] fp32
-    ids_ptr,  # [T, TOP_K] int64
+    logits_ptr,  # [T, E (+1)] any float dtype; with HAS_SHARED the last column is the shared expert's gate
+    weights_ptr,  # [T, TOP_K (+1)] fp32
+    ids_ptr,  # [T, TOP_K (+1)] int64
     num_experts,
     stride_lt,
     stride_le,
     TOP_K: tl.constexpr,
+    OUT_SLOTS: tl.constexpr,  # TOP_K (+1 with HAS_SHARED)
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_RENORM: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
@@ -55,21 +63,27 @@ def _route_kernel(
         remaining = tl.where(offs == idx, -1.0, remaining)
     if USE_RENORM:
         top_w = top_w / tl.sum(top_w, 0)  # slots >= TOP_K hold 0
-    out = row * TOP_K + slots
-    tl.store(weights_ptr + out, top_w, mask=slots < TOP_K)
-    tl.store(ids_ptr + out, top_i, mask=slots < TOP_K)
+    if HAS_SHARED:  # slot TOP_K: the shared expert (id E), weight sigmoid(gate logit)
+        gate = tl.load(logits_ptr + row * stride_lt + num_experts * stride_le).to(tl.float32)
+        top_w = tl.where(slots == TOP_K, tl.sigmoid(gate), top_w)
+        top_i = tl.where(slots == TOP_K, num_experts, top_i)
+    out = row * OUT_SLOTS + slots
+    tl.store(weights_ptr + out, top_w, mask=slots < OUT_SLOTS)
+    tl.store(ids_ptr + out, top_i, mask=slots < OUT_SLOTS)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of the fp32 softmax of `router_logits` [..., E]: (weights [..., k] fp32, expert ids [..., k])."""
-    num_experts = router_logits.shape[-1]
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, shared: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe.route` on Triton: weights [..., k (+1)] fp32, ids [..., k (+1)] int64, logits [..., E (+1)]."""
+    num_experts = router_logits.shape[-1] - shared
     # The reference raises on top_k > E; rows of more than 8192 experts would not fit one program.
     if not 0 < top_k <= num_experts or num_experts > 8192 or router_logits.numel() == 0:
-        return reference.route(router_logits, top_k, renormalize)
-    logits = router_logits.reshape(-1, num_experts)  # [T, E]
-    t = logits.shape[0]
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+        return reference.route(router_logits, top_k, renormalize, shared)
+    logits = router_logits.reshape(-1, router_logits.shape[-1])  # [T, E (+1)]
+    t, slots = logits.shape[0], top_k + shared
+    weights = torch.empty(t, slots, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, slots, dtype=torch.int64, device=logits.device)
     block_e = triton.next_power_of_2(num_experts)
     _route_kernel[(t,)](
         logits,
@@ -79,34 +93,48 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
         logits.stride(0),
         logits.stride(1),
         TOP_K=top_k,
+        OUT_SLOTS=slots,
         BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_K=triton.next_power_of_2(slots),
         USE_RENORM=renormalize,
+        HAS_SHARED=shared,
         num_warps=max(1, min(8, block_e // 256)),
     )
     lead = router_logits.shape[:-1]
-    return weights.view(*lead, top_k), ids.view(*lead, top_k)
+    return weights.view(*lead, slots), ids.view(*lead, slots)
+
+
+@triton.jit
+def _expert(w_ptr, ws_ptr, expert, num_experts, stride_we, stride_wn, stride_sn, inter, shared_inter):
+    """(base pointer, row stride, intermediate size) of routed expert `expert`, or of the shared expert
+    (`ws_ptr`) when expert == num_experts. Scalar selects keep one code path; the K strides are equal."""
+    is_shared = expert == num_experts
+    base = tl.where(is_shared, ws_ptr, w_ptr + expert.to(tl.int64) * stride_we)
+    return base, tl.where(is_shared, stride_sn, stride_wn), tl.where(is_shared, shared_inter, inter)
 
 
 @triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, H]
     w13_ptr,  # [E, 2I, H]: gate rows, then up rows
-    act_ptr,  # [T*k, I] out, x's dtype
-    sorted_pairs_ptr,  # [num_blocks * BLOCK_M] int32 pair ids; num_pairs marks padding
-    block_experts_ptr,  # [num_blocks] int64; num_experts marks an unused block
-    num_pairs,
+    ws13_ptr,  # [2Is, H] the shared expert's (expert id E)
+    act_ptr,  # [T*S, max(I, Is)] out, x's dtype
+    sorted_pairs_ptr,  # [num_blocks * BLOCK_M] int32 pair ids
+    block_experts_ptr,  # [num_blocks] int32; -1 marks an unused block
+    block_rows_ptr,  # [num_blocks] int32 rows of the block that hold pairs
     hidden,
     inter,
+    shared_inter,
     num_experts,
     stride_xt,
     stride_xh,
     stride_we,
     stride_wn,
-    stride_wh,
+    stride_wh,  # = the shared expert's K stride
+    stride_sn,
     stride_ap,
     stride_ai,
-    TOP_K: tl.constexpr,
+    NUM_SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -115,18 +143,24 @@ def _gate_up_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_experts_ptr + pid_m)
-    if expert >= num_experts:
+    if expert < 0:
         return
-    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
-    valid = pairs < num_pairs
-    tokens = (pairs // TOP_K).to(tl.int64)
+    w_ptr, stride_n, inter_e = _expert(
+        w13_ptr, ws13_ptr, expert, num_experts, stride_we, stride_wn, stride_sn, inter, shared_inter
+    )
+    if pid_n * BLOCK_N >= inter_e:  # the N grid covers max(I, Is)
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    valid = offs_m < tl.load(block_rows_ptr + pid_m)
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + offs_m, mask=valid, other=0)  # [BM]
+    tokens = (pairs // NUM_SLOTS).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < inter
+    n_mask = offs_n < inter_e
     x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [BM, BK]
     # [BK, BN] tiles of w13[e].T: gate rows n, up rows I + n
-    gate_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh
-    up_ptrs = gate_ptrs + inter * stride_wn
+    gate_ptrs = w_ptr + offs_n[None, :] * stride_n + offs_k[:, None] * stride_wh
+    up_ptrs = gate_ptrs + inter_e * stride_n
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -147,23 +181,31 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr,  # [T*k, I]
+    act_ptr,  # [T*S, max(I, Is)]
     w2_ptr,  # [E, H, I]
-    weights_ptr,  # [T*k] fp32 routing weights
-    out_ptr,  # [T*k, H] out, x's dtype
+    ws2_ptr,  # [H, Is] the shared expert's
+    weights_ptr,  # [T, S] routing weights, any float dtype and strides
+    part_ptr,  # [SPLIT_K, T*S, H] out: fp32 when split, else x's dtype
     sorted_pairs_ptr,  # [num_blocks * BLOCK_M] int32
-    block_experts_ptr,  # [num_blocks] int64
-    num_pairs,
+    block_experts_ptr,  # [num_blocks] int32
+    block_rows_ptr,  # [num_blocks] int32
     hidden,
     inter,
+    shared_inter,
     num_experts,
     stride_ap,
     stride_ai,
     stride_we,
     stride_wh,
-    stride_wi,
-    stride_op,
-    stride_oh,
+    stride_wi,  # = the shared expert's K stride
+    stride_sh,
+    stride_gt,
+    stride_gs,
+    stride_ps,
+    stride_pp,
+    stride_ph,
+    NUM_SLOTS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -171,88 +213,83 @@ def _down_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     expert = tl.load(block_experts_ptr + pid_m)
-    if expert >= num_experts:
+    if expert < 0:
         return
-    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
-    valid = pairs < num_pairs
+    w_ptr, stride_n, inter_e = _expert(
+        w2_ptr, ws2_ptr, expert, num_experts, stride_we, stride_wh, stride_sh, inter, shared_inter
+    )
+    offs_m = tl.arange(0, BLOCK_M)
+    valid = offs_m < tl.load(block_rows_ptr + pid_m)
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + offs_m, mask=valid, other=0)  # [BM]
     rows = pairs.to(tl.int64)
+    # This program's share of the K (= intermediate) range, whole BLOCK_Ks; it may be empty (zeros).
+    k_chunk = tl.cdiv(tl.cdiv(inter_e, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_chunk
+    k_hi = tl.minimum(inter_e, k_lo + k_chunk)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
     n_mask = offs_n < hidden
     a_ptrs = act_ptr + rows[:, None] * stride_ap + offs_k[None, :] * stride_ai  # [BM, BK]
-    w_ptrs = (
-        w2_ptr + expert * stride_we + offs_n[None, :] * stride_wh + offs_k[:, None] * stride_wi
-    )  # [BK, BN]
+    w_ptrs = w_ptr + offs_n[None, :] * stride_n + offs_k[:, None] * stride_wi  # [BK, BN]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        k_mask = offs_k < inter - k0
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_mask = offs_k < k_hi - k0 + k_lo
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ai
         w_ptrs += BLOCK_K * stride_wi
-    acc *= tl.load(weights_ptr + rows, mask=valid, other=0.0)[:, None]
-    out_ptrs = out_ptr + rows[:, None] * stride_op + offs_n[None, :] * stride_oh
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+    tokens, slots = rows // NUM_SLOTS, rows % NUM_SLOTS
+    weight = tl.load(weights_ptr + tokens * stride_gt + slots * stride_gs, mask=valid, other=0.0)
+    acc *= weight.to(tl.float32)[:, None]
+    out_ptrs = part_ptr + pid_k * stride_ps + rows[:, None] * stride_pp + offs_n[None, :] * stride_ph
+    tl.store(out_ptrs, acc.to(part_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-@dataclass(frozen=True)
-class ExpertsConfig:
-    """Tile sizes of both grouped GEMMs (BLOCK_M also sets the padding of each expert's rows)."""
+@triton.jit
+def _combine_kernel(
+    part_ptr,  # [PARTS, T*S, H]
+    extra_ptr,  # [T, H] with HAS_EXTRA: a shared expert's output computed elsewhere
+    gate_ptr,  # [T] its weight, any float dtype and stride
+    out_ptr,  # [T, H] out
+    hidden,
+    stride_ps,
+    stride_pp,
+    stride_ph,
+    stride_et,
+    stride_eh,
+    stride_g,
+    stride_ot,
+    stride_oh,
+    NUM_SLOTS: tl.constexpr,
+    PARTS: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for s in tl.static_range(NUM_SLOTS):  # slot order, shared expert last: deterministic
+        for k in tl.static_range(PARTS):
+            ptrs = part_ptr + k * stride_ps + (token * NUM_SLOTS + s) * stride_pp + offs * stride_ph
+            acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_EXTRA:
+        extra = tl.load(extra_ptr + token * stride_et + offs * stride_eh, mask=mask, other=0.0)
+        acc += tl.load(gate_ptr + token * stride_g).to(tl.float32) * extra.to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + offs * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 3
 
-
-def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> ExpertsConfig:
-    """Blocks by the mean rows per expert (shapes only, so no host sync); untuned starting points for H200.
-
-    Decode (a handful of rows per expert) is bound by reading expert weights: short M tiles waste less MMA
-    work on padding, and narrow N tiles give more programs to stream weights with. A dedicated small-batch
-    path would go further: one program per (pair, N tile) doing a GEMV with tl.sum instead of padding to 16
-    rows, split-K over H for the gate/up GEMM so more SMs read weights at once, and the down GEMM plus the
-    k-slot sum fused (atomics or one program per token) to skip the [T*k, H] round trip.
-    """
-    rows_per_expert = num_pairs / num_experts
-    wide = dtype == torch.float32  # 4-byte elements: halve K so a stage fits shared memory
-    if rows_per_expert <= 16:
-        return ExpertsConfig(16, 32, 64 if wide else 128, num_stages=3 if wide else 4)
-    if rows_per_expert <= 64:
-        return ExpertsConfig(32, 64, 32 if wide else 64, num_stages=3 if wide else 4)
-    return ExpertsConfig(64, 64, 32 if wide else 64, num_stages=2 if wide else 3)
-
-
-def align_block_size(
-    ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Pair ids (token * k + slot) sorted by expert, each expert's run padded to a multiple of `block_m`.
-
-    Returns (sorted_pairs [num_blocks * block_m] int32, padding = T*k; block_experts [num_blocks] int64,
-    num_experts for blocks past the last used one; num_blocks). num_blocks is an upper bound from shapes
-    alone (each expert that has rows wastes under one block), so nothing here syncs with the host.
-    """
-    flat = ids.reshape(-1)  # [N]
-    n = flat.numel()
-    device = flat.device
-    num_blocks = triton.cdiv(n, block_m) + min(num_experts, n)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]; bincount would sync on CUDA
-    blocks = (counts + block_m - 1) // block_m  # [E]
-    block_end = torch.cumsum(blocks, 0)  # [E]
-    row_start = (block_end - blocks) * block_m  # [E] first padded row of each expert
-    count_start = torch.cumsum(counts, 0) - counts  # [E] first sorted pair of each expert
-    order = torch.argsort(flat, stable=True)  # [N] pair ids grouped by expert
-    sorted_experts = flat[order]
-    dest = row_start[sorted_experts] + torch.arange(n, device=device) - count_start[sorted_experts]
-    sorted_pairs = torch.full((num_blocks * block_m,), n, dtype=torch.int32, device=device)
-    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
-    block_ids = torch.arange(num_blocks, dtype=torch.int64, device=device)
-    block_experts = torch.searchsorted(block_end, block_ids, right=True)  # [num_blocks]
-    return sorted_pairs, block_experts, num_blocks
+def _blocks(block_m: int, tiles: GemmTiles) -> dict:
+    return dict(
+        BLOCK_M=block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
 
 
 def fused_experts(
@@ -262,42 +299,77 @@ def fused_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     config: ExpertsConfig,
+    shared_w13: torch.Tensor | None = None,
+    shared_w2: torch.Tensor | None = None,
+    shared_out: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`experts` with explicit tile sizes; x, w13 and w2 share one of fp16, bf16, fp32."""
+    """`experts` with explicit tile sizes; x, w13, w2 (and the shared weights) share one of fp16, bf16, fp32,
+    and the shared weights' K strides equal the routed ones'."""
     t, hidden = x.shape
     num_experts, _, inter = w2.shape
-    top_k = ids.shape[-1]
-    n = t * top_k
-    sorted_pairs, block_experts, num_blocks = align_block_size(
-        ids.to(torch.int64), num_experts, config.block_m
-    )
-    flat_weights = weights.reshape(-1).to(torch.float32)  # [N]
+    has_shared = shared_w13 is not None
+    if not has_shared:  # no block has expert id E, so any pointer does
+        shared_w13, shared_w2 = w13[0], w2[0]
+    shared_inter = shared_w2.shape[1]
+    slots = ids.shape[1]
+    n = t * slots
+    sorted_pairs, block_experts, block_rows = align_block_size(ids, num_experts + has_shared, config.block_m)
+    num_blocks = block_experts.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 matches the reference, not tf32
-    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    blocks = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k)
+    table = (sorted_pairs, block_experts, block_rows)
+    sizes = (hidden, inter, shared_inter, num_experts)
 
-    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, config.block_n))](
-        x, w13, act, sorted_pairs, block_experts, n, hidden, inter, num_experts,
-        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), act.stride(1),
-        TOP_K=top_k, DOT_PRECISION=precision, **blocks, **launch,
+    act = torch.empty(n, max(inter, shared_inter), dtype=x.dtype, device=x.device)  # [T*S, I]
+    tiles = config.gate_up
+    _gate_up_kernel[(num_blocks, triton.cdiv(act.shape[1], tiles.block_n))](
+        x, w13, shared_w13, act, *table, *sizes,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), shared_w13.stride(0),
+        act.stride(0), act.stride(1),
+        NUM_SLOTS=slots, DOT_PRECISION=precision, **_blocks(config.block_m, tiles),
     )  # fmt: skip
-    out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)  # [T*k, H]
-    _down_kernel[(num_blocks, triton.cdiv(hidden, config.block_n))](
-        act, w2, flat_weights, out, sorted_pairs, block_experts, n, hidden, inter, num_experts,
-        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
-        DOT_PRECISION=precision, **blocks, **launch,
+    split, tiles = config.split_k, config.down
+    part = torch.empty(split, n, hidden, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    _down_kernel[(num_blocks, triton.cdiv(hidden, tiles.block_n), split)](
+        act, w2, shared_w2, weights, part, *table, *sizes,
+        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), shared_w2.stride(0),
+        weights.stride(0), weights.stride(1), part.stride(0), part.stride(1), part.stride(2),
+        NUM_SLOTS=slots, SPLIT_K=split, DOT_PRECISION=precision, **_blocks(config.block_m, tiles),
     )  # fmt: skip
-    return out.view(t, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)  # [T, H]
+    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    has_extra = shared_out is not None
+    extra, gate = (shared_out, shared_gate) if has_extra else (out, weights[:, 0])  # any pointers do
+    block_h = min(512, triton.next_power_of_2(hidden))
+    _combine_kernel[(t, triton.cdiv(hidden, block_h))](
+        part, extra, gate, out, hidden, part.stride(0), part.stride(1), part.stride(2),
+        extra.stride(0), extra.stride(1), gate.stride(0), out.stride(0), out.stride(1),
+        NUM_SLOTS=slots, PARTS=split, HAS_EXTRA=has_extra, BLOCK_H=block_h, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 def experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    shared_w13: torch.Tensor | None = None,
+    shared_w2: torch.Tensor | None = None,
+    shared_out: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sum over each token's experts of weight * down(silu(gate(x)) * up(x)); x [T, H] -> [T, H]."""
+    """`moe.experts` on Triton; x [T, H] -> [T, H]."""
+    shared = (shared_w13, shared_w2, shared_out, shared_gate)
+    has_weights = shared_w13 is not None
     # Mixed dtypes (say FP8 weights) and empty batches go to the reference: tl.dot wants equal operand types.
-    same = x.dtype == w13.dtype == w2.dtype and x.dtype in _DOT_DTYPES
-    if not same or x.dim() != 2 or ids.dim() != 2 or x.shape[0] == 0 or ids.shape[1] == 0:
-        return reference.experts(x, w13, w2, weights, ids)
-    config = _config(ids.numel(), w2.shape[0], x.dtype)
-    return fused_experts(x, w13, w2, weights, ids, config)
+    same = all(w.dtype == x.dtype for w in (w13, w2, shared_w13, shared_w2) if w is not None)
+    strides = not has_weights or (
+        shared_w13.stride(1) == w13.stride(2) and shared_w2.stride(1) == w2.stride(2)
+    )
+    shapes = x.dim() == ids.dim() == 2 and x.shape[0] > 0 and ids.shape[1] > 0
+    if not (same and strides and shapes and x.dtype in _DOT_DTYPES):
+        return reference.experts(x, w13, w2, weights, ids, *shared)
+    top_k = ids.shape[1] - has_weights
+    config = choose_config(x.shape[0], max(1, top_k), w2.shape[0], x.dtype)
+    return fused_experts(x, w13, w2, weights, ids, config, *shared)

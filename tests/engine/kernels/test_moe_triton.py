@@ -75,6 +75,20 @@ def test_route_matches_reference(t, e, k, dtype, renormalize, nan_empty):
     assert (weights[:, :-1] >= weights[:, 1:]).all(), "weights are not in descending order"
 
 
+@pytest.mark.parametrize("t, e, k", [(1, 5, 2), (17, 8, 3), (3, 256, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_with_shared_gate(t, e, k, dtype, nan_empty):
+    # Logit E is the shared expert's gate: slot k gets sigmoid(logit) and id E; the rest is routing as usual.
+    logits = (rand(t, e + 1, seed=t + e) * 3).to(dtype)
+    weights, ids = moe_triton.route(logits, k, True, shared=True)
+    assert weights.shape == ids.shape == (t, k + 1)
+    assert_same_topk(weights[:, :k], ids[:, :k], logits[:, :e], k, True)
+    assert (ids[:, k] == e).all()
+    torch.testing.assert_close(weights[:, k], torch.sigmoid(logits[:, e].float()), rtol=1e-6, atol=1e-7)
+    ref_weights, _ = reference.route(logits, k, True, shared=True)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-7)
+
+
 def test_route_ids_equal_reference_without_ties():
     logits = rand(17, 256, seed=5) * 3  # fp32 draws: no two probabilities equal
     weights, ids = moe_triton.route(logits, 8, True)
@@ -113,9 +127,91 @@ def test_experts_tile_sizes(t, block_m, block_n, block_k, nan_empty):
     x = rand(t, h, seed=7)
     w13, w2 = expert_weights(e, h, i, torch.float32, seed=8)
     weights, ids = reference.route(rand(t, e, seed=9), k, renormalize=False)
-    config = moe_triton.ExpertsConfig(block_m, block_n, block_k)
+    config = moe_triton.ExpertsConfig.uniform(block_m, block_n, block_k)
     out = moe_triton.fused_experts(x, w13, w2, weights, ids, config)
     assert_relative(out, reference.experts(x, w13, w2, weights, ids), REL_TOL[torch.float32])
+
+
+def shared_weights(h, i, dtype, seed=0, device=DEVICE):
+    w13, w2 = expert_weights(1, h, i, dtype, seed=seed, device=device)
+    return w13[0], w2[0]
+
+
+@pytest.mark.parametrize("t", [1, 3, 17, 40])
+@pytest.mark.parametrize("h, i, shared_i, e, k", [(32, 16, 16, 5, 2), (48, 24, 40, 7, 3), (64, 32, 8, 8, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_experts_with_shared_expert(t, h, i, shared_i, e, k, dtype, nan_empty):
+    # Expert id E is the shared expert (its own intermediate size), one more slot of every token.
+    x = rand(t, h, seed=t).to(dtype)
+    w13, w2 = expert_weights(e, h, i, dtype, seed=h + t)
+    s13, s2 = shared_weights(h, shared_i, dtype, seed=5)
+    weights, ids = reference.route(rand(t, e + 1, seed=t + 2), k, True, shared=True)
+    out = moe_triton.experts(x, w13, w2, weights, ids, s13, s2)
+    assert out.dtype == dtype and out.shape == x.shape
+    expected = reference.experts(x.float(), w13.float(), w2.float(), weights, ids, s13.float(), s2.float())
+    assert_relative(out, expected, REL_TOL[dtype])
+
+
+def test_reference_shared_expert_is_the_gated_mlp():
+    # The reference's shared slot is transformers' `sigmoid(gate(x)) * shared_expert(x)`, added last.
+    t, h, i, e, k = 9, 32, 16, 6, 2
+    x = rand(t, h, seed=1)
+    w13, w2 = expert_weights(e, h, i, torch.float32, seed=2)
+    s13, s2 = shared_weights(h, 24, torch.float32, seed=3)
+    logits = rand(t, e + 1, seed=4)
+    weights, ids = reference.route(logits, k, True, shared=True)
+    routed = reference.experts(x, w13, w2, weights[:, :k], ids[:, :k])
+    gate, up = (x @ s13.T).chunk(2, dim=-1)
+    shared = (torch.nn.functional.silu(gate) * up) @ s2.T
+    expected = routed + torch.sigmoid(logits[:, e:]) * shared
+    torch.testing.assert_close(reference.experts(x, w13, w2, weights, ids, s13, s2), expected)
+
+
+@pytest.mark.parametrize("split_k, block_k", [(2, 16), (3, 16), (4, 32)])
+def test_experts_down_split_k(split_k, block_k, nan_empty):
+    # The down GEMM's K (I 24, shared 40) cut into fp32 partial sums; some splits get no K at all (zeros).
+    t, h, i, e, k = 17, 48, 24, 5, 3
+    x = rand(t, h, seed=11)
+    w13, w2 = expert_weights(e, h, i, torch.float32, seed=12)
+    s13, s2 = shared_weights(h, 40, torch.float32, seed=13)
+    weights, ids = reference.route(rand(t, e + 1, seed=14), k, False, shared=True)
+    config = moe_triton.ExpertsConfig.uniform(16, 16, block_k, split_k=split_k)
+    out = moe_triton.fused_experts(x, w13, w2, weights, ids, config, s13, s2)
+    expected = reference.experts(x, w13, w2, weights, ids, s13, s2)
+    assert_relative(out, expected, REL_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_experts_with_shared_output(dtype, nan_empty):
+    # An FP8 shared expert runs on its own: the model passes the routed slots (column slices) and the shared
+    # expert's output with its slot's weight, which the combine adds.
+    t, h, i, e, k = 17, 32, 16, 6, 2
+    x = rand(t, h, seed=21).to(dtype)
+    w13, w2 = expert_weights(e, h, i, dtype, seed=22)
+    weights, ids = reference.route(rand(t, e + 1, seed=23), k, True, shared=True)
+    shared = rand(t, h, seed=24).to(dtype)
+    out = moe_triton.experts(
+        x, w13, w2, weights[:, :k], ids[:, :k], shared_out=shared, shared_gate=weights[:, k]
+    )
+    routed = reference.experts(x.float(), w13.float(), w2.float(), weights[:, :k], ids[:, :k])
+    expected = routed + weights[:, k:] * shared.float()
+    assert_relative(out, expected, REL_TOL[dtype])
+    torch.testing.assert_close(
+        reference.experts(
+            x, w13, w2, weights[:, :k], ids[:, :k], shared_out=shared, shared_gate=weights[:, k]
+        ),
+        reference.experts(x, w13, w2, weights[:, :k], ids[:, :k]) + weights[:, k:].to(dtype) * shared,
+    )
+
+
+def test_experts_deterministic():
+    t, h, i, e, k = 40, 32, 16, 4, 3
+    x = rand(t, h, seed=31)
+    w13, w2 = expert_weights(e, h, i, torch.float32, seed=32)
+    s13, s2 = shared_weights(h, i, torch.float32, seed=33)
+    weights, ids = reference.route(rand(t, e + 1, seed=34), k, True, shared=True)
+    first = moe_triton.experts(x, w13, w2, weights, ids, s13, s2)
+    assert torch.equal(first, moe_triton.experts(x, w13, w2, weights, ids, s13, s2))
 
 
 def test_experts_strided_inputs():
@@ -127,17 +223,6 @@ def test_experts_strided_inputs():
     weights, ids = reference.route(rand(t, e, seed=3), k, renormalize=True)
     out = moe_triton.experts(x, w13, w2, weights, ids)
     assert_relative(out, reference.experts(x, w13, w2, weights, ids), REL_TOL[torch.float32])
-
-
-def test_align_block_size_groups_and_pads_by_expert():
-    ids = torch.tensor([[2, 0], [2, 4], [0, 2]], device=DEVICE)  # experts 1 and 3 unused
-    sorted_pairs, block_experts, num_blocks = moe_triton.align_block_size(ids, 5, block_m=2)
-    pad = ids.numel()
-    assert num_blocks == 3 + 5
-    # expert 0: pairs 1, 4; expert 2: pairs 0, 2, 5 (+ pad); expert 4: pair 3 (+ pad); then spare blocks.
-    assert sorted_pairs[:8].tolist() == [1, 4, 0, 2, 5, pad, 3, pad]
-    assert (sorted_pairs[8:] == pad).all()
-    assert block_experts.tolist() == [0, 2, 2, 4, 5, 5, 5, 5]
 
 
 def test_registered_with_dispatch():
@@ -179,3 +264,41 @@ def test_experts_real_shapes_gpu(t):
     expected = reference.experts(x.float(), w13.float(), w2.float(), weights, ids)
     assert out.dtype == torch.bfloat16
     assert_relative(out, expected, REL_TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 3, 64, 130, 1000, 4096])
+def test_experts_with_shared_real_shapes_gpu(t):
+    x = rand(t, H, seed=t).to(torch.bfloat16)
+    w13, w2 = expert_weights(E, H, I, torch.bfloat16, seed=1)
+    s13, s2 = shared_weights(H, I, torch.bfloat16, seed=2)
+    weights, ids = moe_triton.route(rand(t, E + 1, seed=t + 1).to(torch.bfloat16), K, True, shared=True)
+    out = moe_triton.experts(x, w13, w2, weights, ids, s13, s2)
+    f = torch.float32
+    expected = reference.experts(x.to(f), w13.to(f), w2.to(f), weights, ids, s13.to(f), s2.to(f))
+    assert_relative(out, expected, REL_TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 16, 64])
+def test_route_and_experts_replay_in_cuda_graph_gpu(t):
+    # No host sync anywhere: captured once, replayed on new tokens and logits, same as running it eagerly.
+    w13, w2 = expert_weights(E, H, I, torch.bfloat16, seed=1)
+    s13, s2 = shared_weights(H, I, torch.bfloat16, seed=2)
+    x = rand(t, H, seed=3).to(torch.bfloat16)
+    logits = rand(t, E + 1, seed=4).to(torch.bfloat16)
+
+    def block():
+        weights, ids = moe_triton.route(logits, K, True, shared=True)
+        return moe_triton.experts(x, w13, w2, weights, ids, s13, s2)
+
+    block()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block()
+    x.copy_(rand(t, H, seed=5))
+    logits.copy_(rand(t, E + 1, seed=6))
+    graph.replay()
+    torch.testing.assert_close(out, block(), rtol=0, atol=0)
