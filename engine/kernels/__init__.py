@@ -3,6 +3,7 @@
 
 from engine.kernels.attention import attention
 from engine.kernels.conv1d import causal_conv1d
+from engine.kernels.deltanet_gate import deltanet_gate
 from engine.kernels.fp8 import (
     dequantize_block_fp8,
     fp8_block_linear,
@@ -13,22 +14,28 @@ from engine.kernels.gated_delta import gated_delta_rule
 from engine.kernels.layout import SeqLayout
 from engine.kernels.moe import experts as moe_experts
 from engine.kernels.moe import route as moe_route
-from engine.kernels.norm import gated_rms_norm, rms_norm
+from engine.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
+from engine.kernels.qk_norm_rotary import qk_norm_rotary
 from engine.kernels.rotary import apply_rotary, rotary_cos_sin
+from engine.kernels.sigmoid_gate import sigmoid_gate
 
 __all__ = [
     "SeqLayout",
+    "add_rms_norm",
     "apply_rotary",
     "attention",
     "causal_conv1d",
+    "deltanet_gate",
     "dequantize_block_fp8",
     "fp8_block_linear",
     "gated_delta_rule",
     "gated_rms_norm",
     "moe_experts",
     "moe_route",
+    "qk_norm_rotary",
     "quantize_block_fp8_weight",
     "quantize_fp8_per_token_group",
     "rms_norm",
     "rotary_cos_sin",
+    "sigmoid_gate",
 ]

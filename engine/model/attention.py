@@ -32,9 +32,8 @@ class GatedAttention(nn.Module):
         t, d = x.shape[0], self.head_dim
         qg, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         qg = qg.view(t, self.num_heads, 2 * d)
-        q, gate = qg[..., :d], qg[..., d:].reshape(t, self.num_heads * d)
-        q = kernels.apply_rotary(self.q_norm(q), cos, sin)  # [T, Hq, D]
-        k = kernels.apply_rotary(self.k_norm(k.view(t, self.num_kv_heads, d)), cos, sin)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, d)
-        out = kernels.attention(q, k, v, kv.k, kv.v, layout, d**-0.5)
-        return self.o_proj(out.reshape(t, self.num_heads * d) * torch.sigmoid(gate))
+        q, gate = qg[..., :d], qg[..., d:]  # [T, Hq, D] strided views, read in place
+        k, v = k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
+        q, k = kernels.qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
+        out = kernels.attention(q, k, v, kv.k, kv.v, layout, d**-0.5)  # [T, Hq, D]
+        return self.o_proj(kernels.sigmoid_gate(out, gate).reshape(t, self.num_heads * d))

@@ -13,6 +13,10 @@ from engine.model.norm import RMSNorm
 
 
 class DecoderLayer(nn.Module):
+    """`residual += mixer(norm(residual)); residual += mlp(norm(residual))`, with each residual add fused
+    into the norm that reads it: the layer returns its MLP output and the residual stream before that
+    output is added, and the next layer's input norm (or the caller) does the add."""
+
     def __init__(self, config: ModelConfig, layer_type: str, moe: bool) -> None:
         super().__init__()
         self.layer_type = layer_type
@@ -27,15 +31,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         state: LinearState | PagedKV,
         layout: SeqLayout,
-    ) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H]: the previous layer's MLP output, with `residual` the stream it adds to (None: x is the
+        stream itself, as for the first layer). Returns (this layer's MLP output, the stream before it)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, state, layout)
         else:
             h = self.self_attn(h, cos, sin, state, layout)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(h), residual

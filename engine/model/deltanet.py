@@ -1,7 +1,6 @@
 """Gated DeltaNet linear attention (the `linear_attention` layers)."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
@@ -32,12 +31,10 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: LinearState, layout: SeqLayout) -> torch.Tensor:
         t = x.shape[0]
         qkv, z = self.in_proj_qkvz(x).split((self.conv_dim, self.value_dim), dim=-1)
-        b, a = self.in_proj_ba(x).split((self.num_v_heads, self.num_v_heads), dim=-1)
+        b, a = self.in_proj_ba(x).split((self.num_v_heads, self.num_v_heads), dim=-1)  # column views
         qkv = kernels.causal_conv1d(qkv, self.conv1d_weight, state.conv, layout)
         q, k, v = qkv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
-        beta = torch.sigmoid(b)
-        # fp32: exp(A_log) and softplus overflow or lose the decay in bf16.
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv]
+        g, beta = kernels.deltanet_gate(a, b, self.A_log, self.dt_bias)  # [T, Hv] fp32 log decay, [T, Hv]
         out = kernels.gated_delta_rule(
             q.reshape(t, self.num_k_heads, self.head_k_dim),
             k.reshape(t, self.num_k_heads, self.head_k_dim),

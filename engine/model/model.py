@@ -59,10 +59,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, layout: SeqLayout, cache: ModelCache) -> torch.Tensor:
         """input_ids [T] (flat, per `layout`) -> [T, H] hidden states before the final norm."""
         cos, sin = self.rotary(layout.positions(input_ids.device))
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache.layers[i], layout)
-        return x
+            x, residual = layer(x, residual, cos, sin, cache.layers[i], layout)
+        return x + residual  # the last layer's MLP output joins the stream here (layers fuse the others)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.norm(hidden)

@@ -39,5 +39,5 @@ class MTPHead(nn.Module):
     ) -> torch.Tensor:
         """next_embeds, hidden [T, H] -> [T, H] normed hidden state for the shared lm_head."""
         x = torch.cat((self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)), dim=-1)
-        x = self.layers[step % len(self.layers)](self.fc(x), cos, sin, kv, layout)
-        return self.norm(x)
+        x, residual = self.layers[step % len(self.layers)](self.fc(x), None, cos, sin, kv, layout)
+        return self.norm.add(x, residual)[0]

@@ -1,4 +1,5 @@
-"""RMSNorm ops: zero-centred `x * (1 + w)` for layer, q/k and final norms; gated norm for DeltaNet outputs."""
+"""RMSNorm ops: zero-centred `x * (1 + w)` for layer, q/k and final norms (alone, or after a residual add);
+gated norm for DeltaNet outputs."""
 
 import torch
 
@@ -7,6 +8,9 @@ from engine.kernels.norm import reference
 
 dispatch.register("rms_norm", torch=reference.rms_norm, triton="engine.kernels.norm.triton:rms_norm")
 dispatch.register(
+    "add_rms_norm", torch=reference.add_rms_norm, triton="engine.kernels.norm.triton:add_rms_norm"
+)
+dispatch.register(
     "gated_rms_norm", torch=reference.gated_rms_norm, triton="engine.kernels.norm.triton:gated_rms_norm"
 )
 
@@ -14,6 +18,21 @@ dispatch.register(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = True) -> torch.Tensor:
     """RMS-normalise the last dim of `x` [..., D], scale by `1 + weight` (or `weight`); x's dtype out."""
     return dispatch.pick("rms_norm", x)(x, weight, eps, zero_centered)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`total = x + residual` (in x's dtype) and zero-centred `rms_norm(total)`, in one pass.
+
+    Args:
+        x, residual: [..., D] of one dtype; neither is written.
+        weight: [D] zero-centred norm weight (the scale is `1 + weight`).
+        eps: added to the mean square.
+    Returns:
+        (normed, total), both [..., D] in x's dtype.
+    """
+    return dispatch.pick("add_rms_norm", x)(x, residual, weight, eps)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -14,6 +14,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     return (xf * w).to(x.dtype)
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # The sum is rounded to x's dtype before the norm reads it, as the model's `residual + x` is.
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Norm before gate, plain (not 1 + w) weight; the weight multiplies the normed value in the input dtype,
     # as the reference does.

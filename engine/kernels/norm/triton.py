@@ -1,8 +1,9 @@
-"""Triton RMSNorm and gated RMSNorm over the last dim, with the references' rounding order.
+"""Triton RMSNorm, gated RMSNorm and residual add + RMSNorm over the last dim, with the references' rounding.
 
 Each program normalises BR rows of BD (>= D) channels in registers: fp32 sum of squares, one rsqrt, the
 scale, and one cast. Inputs are viewed as [A, B, D] with any row strides, so the strided q/k views and the
-DeltaNet gate slices are read in place; outputs are contiguous, as the references' are.
+DeltaNet gate slices are read in place; outputs are contiguous, as the references' are. With a residual, the
+program first adds it (rounded to x's dtype, as `x + residual` is), stores that sum, and normalises it.
 """
 
 import torch
@@ -22,11 +23,15 @@ def _rms_norm_kernel(
     x,  # [A, B, D], last dim contiguous
     weight,  # [D]
     gate,  # [A, B, D], last dim contiguous (only read if IS_GATED)
+    residual,  # [A, B, D], last dim contiguous (only read if HAS_RESIDUAL)
     out,  # [A * B, D], contiguous
+    residual_out,  # [A * B, D], contiguous: x + residual (only written if HAS_RESIDUAL)
     stride_xa,
     stride_xb,
     stride_ga,
     stride_gb,
+    stride_ra,
+    stride_rb,
     B,
     R,
     D,
@@ -36,13 +41,20 @@ def _rms_norm_kernel(
     IS_GATED: tl.constexpr,
     IS_ZERO_CENTERED: tl.constexpr,
     IS_ROUNDED_PRODUCT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)  # [BR] flat row index
     o_d = tl.arange(0, BD)  # [BD]
     m_r = o_r < R
     m = m_r[:, None] & (o_d < D)[None, :]
     row_a, row_b = (o_r // B).to(tl.int64), (o_r % B).to(tl.int64)
+    p_out = o_r.to(tl.int64)[:, None] * D + o_d[None, :]  # [BR, BD] contiguous output rows
     b_x = tl.load(x + (row_a * stride_xa + row_b * stride_xb)[:, None] + o_d[None, :], mask=m, other=0.0)
+    if HAS_RESIDUAL:
+        p_res = residual + (row_a * stride_ra + row_b * stride_rb)[:, None] + o_d[None, :]
+        b_res = tl.load(p_res, mask=m, other=0.0)
+        b_x = (b_x.to(tl.float32) + b_res.to(tl.float32)).to(x.dtype.element_ty)  # the rounded sum
+        tl.store(residual_out + p_out, b_x.to(residual_out.dtype.element_ty), mask=m)
     xf = b_x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)  # [BR]
     xf = xf * rstd[:, None]
@@ -60,7 +72,7 @@ def _rms_norm_kernel(
         if IS_ZERO_CENTERED:
             wf = 1.0 + wf
         y = xf * wf[None, :]
-    tl.store(out + o_r.to(tl.int64)[:, None] * D + o_d[None, :], y.to(out.dtype.element_ty), mask=m)
+    tl.store(out + p_out, y.to(out.dtype.element_ty), mask=m)
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -74,44 +86,60 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[-2:])
 
 
-def _launch(x, weight, gate, eps, zero_centered, gated, rounded):
+def _launch(x, weight, eps, zero_centered, gate=None, rounded=False, residual=None):
     d = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(out) if residual is not None else out
     if x.numel() == 0:
-        return out
+        return out, residual_out
     x3 = _as_rows(x)
-    g3 = _as_rows(gate) if gated else x3
+    g3 = _as_rows(gate) if gate is not None else x3
+    r3 = _as_rows(residual) if residual is not None else x3
     bd = triton.next_power_of_2(d)
-    br = max(1, min(TILE // bd, triton.next_power_of_2(x3.shape[0] * x3.shape[1])))
     rows = x3.shape[0] * x3.shape[1]
+    br = max(1, min(TILE // bd, triton.next_power_of_2(rows)))
     _rms_norm_kernel[(triton.cdiv(rows, br),)](
         x3,
         weight,
         g3,
+        r3,
         out,
+        residual_out,
         x3.stride(0),
         x3.stride(1),
         g3.stride(0),
         g3.stride(1),
+        r3.stride(0),
+        r3.stride(1),
         x3.shape[1],
         rows,
         d,
         eps,
         BR=br,
         BD=bd,
-        IS_GATED=gated,
+        IS_GATED=gate is not None,
         IS_ZERO_CENTERED=zero_centered,
         IS_ROUNDED_PRODUCT=rounded,
+        HAS_RESIDUAL=residual is not None,
         num_warps=4 if br * bd <= 4096 else 8,
     )
-    return out
+    return out, residual_out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = True) -> torch.Tensor:
     # x [..., D], weight [D]; fp32 math, one cast of the product to x's dtype.
     if x.shape[-1] > MAX_DIM:
         return reference.rms_norm(x, weight, eps, zero_centered)
-    return _launch(x, weight, None, eps, zero_centered, gated=False, rounded=False)
+    return _launch(x, weight, eps, zero_centered)[0]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # x, residual [..., D] of one dtype, weight [D] -> (rms_norm(x + residual), x + residual).
+    if x.shape[-1] > MAX_DIM or residual.shape != x.shape or residual.dtype != x.dtype:
+        return reference.add_rms_norm(x, residual, weight, eps)  # not a model case
+    return _launch(x, weight, eps, zero_centered=True, residual=residual)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -120,4 +148,4 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if x.shape[-1] > MAX_DIM or gate.shape != x.shape:
         return reference.gated_rms_norm(x, gate, weight, eps)  # broadcast gates: not a model case
     rounded = weight.dtype == x.dtype and x.dtype != torch.float32
-    return _launch(x, weight, gate, eps, zero_centered=False, gated=True, rounded=rounded)
+    return _launch(x, weight, eps, zero_centered=False, gate=gate, rounded=rounded)[0]

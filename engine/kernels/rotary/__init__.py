@@ -5,7 +5,9 @@ import torch
 from engine.kernels import dispatch
 from engine.kernels.rotary import reference
 
-dispatch.register("rotary_cos_sin", torch=reference.rotary_cos_sin)
+dispatch.register(
+    "rotary_cos_sin", torch=reference.rotary_cos_sin, triton="engine.kernels.rotary.triton:rotary_cos_sin"
+)
 dispatch.register(
     "apply_rotary", torch=reference.apply_rotary, triton="engine.kernels.rotary.triton:apply_rotary"
 )

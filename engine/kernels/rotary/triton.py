@@ -1,9 +1,13 @@
-"""Triton partial rotary embedding (rotate-half over the first rotary_dim channels of every head).
+"""Triton partial rotary embedding (rotate-half over the first rotary_dim channels of every head), and the
+cos/sin tables it reads.
 
 One program per (token, block of BH heads) loads the heads' [BH, BD] channels and, for the first rd of
 them, their rotate-half partner (channel j +- rd/2), then writes the whole head: rotated channels and the
 pass-through rest. The arithmetic follows the reference's rounding: cos/sin cast to x's dtype, each product
 rounded to x's dtype, then their sum.
+
+The tables take one launch instead of the reference's seven: angle position * inv_freq[j mod rd/2] in fp32,
+then cos and sin (libdevice's, with full range reduction, as torch's) times the scale.
 """
 
 import torch
@@ -12,6 +16,49 @@ import triton.language as tl
 
 # Elements of one program's [BH, BD] tile.
 TILE = 4096
+# Elements of one program's [BT, BD] tile of the cos/sin tables.
+TABLE_TILE = 2048
+
+
+@triton.jit
+def _cos_sin_kernel(
+    positions,  # [T] integer
+    inv_freq,  # [RD / 2] fp32
+    cos,  # [T, RD] fp32, contiguous
+    sin,  # [T, RD] fp32, contiguous
+    T,
+    RD,
+    scale,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+):
+    o_t = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT]
+    o_d = tl.arange(0, BD)  # [BD]
+    m_t, m_d = o_t < T, o_d < RD
+    m = m_t[:, None] & m_d[None, :]
+    b_pos = tl.load(positions + o_t, mask=m_t, other=0).to(tl.float32)
+    b_freq = tl.load(inv_freq + o_d % (RD // 2), mask=m_d, other=0.0).to(tl.float32)  # cat(freqs, freqs)
+    angle = b_pos[:, None] * b_freq[None, :]  # [BT, BD]
+    p_out = o_t.to(tl.int64)[:, None] * RD + o_d[None, :]
+    tl.store(cos + p_out, tl.cos(angle) * scale, mask=m)
+    tl.store(sin + p_out, tl.sin(angle) * scale, mask=m)
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # positions [T], inv_freq [rd/2] -> cos, sin [T, rd] fp32.
+    t, rd = positions.shape[0], 2 * inv_freq.shape[0]
+    cos = torch.empty((t, rd), dtype=torch.float32, device=positions.device)
+    sin = torch.empty((t, rd), dtype=torch.float32, device=positions.device)
+    if t == 0 or rd == 0:
+        return cos, sin
+    bd = triton.next_power_of_2(rd)
+    bt = max(1, min(TABLE_TILE // bd, triton.next_power_of_2(t)))
+    _cos_sin_kernel[(triton.cdiv(t, bt),)](
+        positions, inv_freq, cos, sin, t, rd, float(scaling), BT=bt, BD=bd, num_warps=4
+    )
+    return cos, sin
 
 
 @triton.jit

@@ -380,72 +380,109 @@ def _gated_delta_cases() -> list[Case]:
                     dict(num_warps=warps),
                 )
             )
-    # Chunked prefill: WY factors per (chunk, value head), then the state walk per (sequence, head, dv tile).
-    strides = dict(stride_kt=CONV_DIM, stride_kh=LIN_D, stride_gt=LIN_HV, stride_gh=1)
-    shape = dict(HV=LIN_HV, RATIO=LIN_HV // LIN_HK, DK=LIN_D, DV=LIN_D, BT=64, BK=LIN_D)
-    cases.append(
-        Case(
-            "gated_delta bf16 chunk_wy num_warps=8",
-            "gated_delta",
-            "_chunk_wy_kernel",
-            dict(
-                k="*bf16",
-                v="*bf16",
-                g="*fp32",
-                beta="*bf16",
-                chunks="*i32",
-                w="*fp32",
-                kd="*fp32",
-                cum="*fp32",
-                **strides,
-                stride_vt=CONV_DIM,
-                stride_vh=LIN_D,
-                stride_bt=LIN_HV,
-                stride_bh=1,
-                **shape,
-                BV=LIN_D,
-            ),
-            dict(num_warps=8),
+    # Chunked prefill: WY factors per (chunk, value head), the state walk per (dv tile, sequence, head), the
+    # outputs per (dv tile, chunk, head), with the launch choices of ChunkLaunch and _chunk_launch (state dv
+    # tile 16, 32 or 64). bf16 inputs keep bf16 scratch and take tf32 fp32 products; fp32 inputs keep fp32
+    # scratch and take 3xTF32 products.
+    shape = dict(HV=LIN_HV, DK=LIN_D, DV=LIN_D, BT=64, BK=LIN_D)
+    precisions = {"bf16": "tf32", "fp32": "tf32x3"}
+    for dt, precision in precisions.items():
+        cases.append(
+            Case(
+                f"gated_delta {dt} chunk_wy num_warps=4",
+                "gated_delta",
+                "_chunk_wy_kernel",
+                dict(
+                    k=f"*{dt}",
+                    v=f"*{dt}",
+                    g="*fp32",
+                    beta=f"*{dt}",
+                    chunks="*i32",
+                    kd=f"*{dt}",
+                    kend=f"*{dt}",
+                    w=f"*{dt}",
+                    cum="*fp32",
+                    stride_kt=CONV_DIM,
+                    stride_kh=LIN_D,
+                    stride_vt=CONV_DIM,
+                    stride_vh=LIN_D,
+                    stride_gt=LIN_HV,
+                    stride_gh=1,
+                    stride_bt=LIN_HV,
+                    stride_bh=1,
+                    RATIO=LIN_HV // LIN_HK,
+                    **shape,
+                    BV=LIN_D,
+                    BC=16,
+                    DOT_PRECISION=precision,
+                ),
+                dict(num_warps=4),
+            )
         )
-    )
-    cases.append(
-        Case(
-            "gated_delta bf16 chunk_state BV=32 num_warps=4",
-            "gated_delta",
-            "_chunk_state_kernel",
-            dict(
-                q="*bf16",
-                k="*bf16",
-                w="*fp32",
-                kd="*fp32",
-                cum="*fp32",
-                state="*fp32",
-                out="*bf16",
-                seqs="*i32",
-                stride_qt=CONV_DIM,
-                stride_qh=LIN_D,
-                stride_kt=CONV_DIM,
-                stride_kh=LIN_D,
-                stride_ss=LIN_HV * LIN_D * LIN_D,
-                stride_sh=LIN_D * LIN_D,
-                stride_sk=LIN_D,
-                stride_sv=1,
-                **shape,
-                scale=LIN_D**-0.5,
-                BV=32,
-            ),
-            dict(num_warps=4, num_stages=1),
+    for dt, bv in (("bf16", 16), ("bf16", 32), ("bf16", 64), ("fp32", 64)):
+        cases.append(
+            Case(
+                f"gated_delta {dt} chunk_state BV={bv} num_warps=4 num_stages=2",
+                "gated_delta",
+                "_chunk_state_kernel",
+                dict(
+                    kd=f"*{dt}",
+                    kend=f"*{dt}",
+                    w=f"*{dt}",
+                    cum="*fp32",
+                    h=f"*{dt}",
+                    state="*fp32",
+                    seqs="*i32",
+                    stride_ss=LIN_HV * LIN_D * LIN_D,
+                    stride_sh=LIN_D * LIN_D,
+                    stride_sk=LIN_D,
+                    stride_sv=1,
+                    **shape,
+                    BV=bv,
+                    DOT_PRECISION=precisions[dt],
+                ),
+                dict(num_warps=4, num_stages=2),
+            )
         )
-    )
+    for dt, precision in precisions.items():
+        cases.append(
+            Case(
+                f"gated_delta {dt} chunk_out BV=64 num_warps=4",
+                "gated_delta",
+                "_chunk_out_kernel",
+                dict(
+                    q=f"*{dt}",
+                    k=f"*{dt}",
+                    u=f"*{dt}",
+                    cum="*fp32",
+                    h=f"*{dt}",
+                    out=f"*{dt}",
+                    chunks="*i32",
+                    stride_qt=CONV_DIM,
+                    stride_qh=LIN_D,
+                    stride_kt=CONV_DIM,
+                    stride_kh=LIN_D,
+                    RATIO=LIN_HV // LIN_HK,
+                    **shape,
+                    scale=LIN_D**-0.5,
+                    BV=64,
+                    DOT_PRECISION=precision,
+                ),
+                dict(num_warps=4),
+            )
+        )
     return cases
 
 
 def _moe_cases() -> list[Case]:
     cases = []
-    for dt, renorm in (("bf16", True), ("bf16", False), ("fp32", True)):
+    # Routing with the shared expert's gate as logit E (the model) and without; E = 256 -> BLOCK_E 256.
+    routes = (("bf16", True, True), ("bf16", False, True), ("bf16", True, False), ("fp32", True, True))
+    for dt, renorm, shared in routes:
+        slots = TOP_K + shared
         cases.append(
             Case(
-                f"moe route {dt} USE_RENORM={renorm}",
+                f"moe route {dt} USE_RENORM={renorm} HAS_SHARED={shared}",
                 "moe",
                 "_route_kernel",
                 dict(
@@ -453,21 +490,77 @@ def _moe_cases() -> list[Case]:
                     weights_ptr="*fp32",
                     ids_ptr="*i64",
                     num_experts=EXPERTS,
-                    stride_lt=EXPERTS,
+                    stride_lt=EXPERTS + shared,
                     stride_le=1,
                     TOP_K=TOP_K,
+                    OUT_SLOTS=slots,
                     BLOCK_E=EXPERTS,
-                    BLOCK_K=TOP_K,
+                    BLOCK_K=16 if shared else TOP_K,
                     USE_RENORM=renorm,
+                    HAS_SHARED=shared,
                 ),
                 dict(num_warps=1),
             )
         )
-    # moe._config: three row buckets, halved BLOCK_K and fewer stages for fp32 (which also uses ieee dots).
+    # align.align_block_size: 257 experts (256 + shared, BLOCK_E 512) over 9 slots, or 256 over 8 (an FP8
+    # shared expert runs on its own); BLOCK_C, BLOCK_B = 4096 // BLOCK_E capped at 16, 32.
+    for num_experts, slots in ((EXPERTS + 1, TOP_K + 1), (EXPERTS, TOP_K)):
+        block_e = 512 if num_experts > 256 else 256
+        ids = dict(ids_ptr="*i64", stride_it=slots, stride_is=1)
+        sizes = dict(num_pairs=ANY, chunk=64, num_experts=num_experts)
+        tag = f"E={num_experts} NUM_SLOTS={slots}"
+        cases.append(
+            Case(
+                f"moe align count {tag}",
+                "moe",
+                "_count_kernel",
+                dict(
+                    **ids,
+                    counts_ptr="*i32",
+                    **sizes,
+                    stride_cc=num_experts,
+                    NUM_SLOTS=slots,
+                    BLOCK_P=64,
+                    BLOCK_E=block_e,
+                ),
+                dict(num_warps=4),
+            )
+        )
+        for block_m, single in ((16, True), (16, False), (64, False)):
+            cases.append(
+                Case(
+                    f"moe align {tag} BLOCK_M={block_m} IS_SINGLE={single}",
+                    "moe",
+                    "_align_kernel",
+                    dict(
+                        **ids,
+                        counts_ptr="*i32",
+                        cursor_ptr="*i32",
+                        sorted_pairs_ptr="*i32",
+                        block_experts_ptr="*i32",
+                        block_rows_ptr="*i32",
+                        **sizes,
+                        num_chunks=1 if single else ANY,
+                        num_blocks=ANY,
+                        stride_cc=num_experts,
+                        NUM_SLOTS=slots,
+                        BLOCK_M=block_m,
+                        BLOCK_P=64,
+                        BLOCK_E=block_e,
+                        BLOCK_C=min(16, 4096 // block_e),
+                        BLOCK_B=min(32, 4096 // block_e),
+                        IS_SINGLE=single,
+                    ),
+                    dict(num_warps=4),
+                )
+            )
+    # moe.config.choose_config: three row buckets, halved BLOCK_K and fewer stages for fp32 (which also uses
+    # ieee dots); the down GEMM also split over K in two (fp32 partial sums).
     configs = {
         "bf16": ((16, 32, 128, 4), (32, 64, 64, 4), (64, 64, 64, 3)),
         "fp32": ((16, 32, 64, 3), (32, 64, 32, 3), (64, 64, 32, 2)),
     }
+    slots = TOP_K + 1
     for dt, buckets in configs.items():
         precision = "ieee" if dt == "fp32" else "tf32"
         for block_m, block_n, block_k, stages in buckets:
@@ -476,10 +569,11 @@ def _moe_cases() -> list[Case]:
             tag = f"{dt} BLOCK_M={block_m} BLOCK_N={block_n} BLOCK_K={block_k}"
             common = dict(
                 sorted_pairs_ptr="*i32",
-                block_experts_ptr="*i64",
-                num_pairs=ANY,
+                block_experts_ptr="*i32",
+                block_rows_ptr="*i32",
                 hidden=HIDDEN,
                 inter=MOE_INTER,
+                shared_inter=MOE_INTER,
                 num_experts=EXPERTS,
             )
             cases.append(
@@ -490,6 +584,7 @@ def _moe_cases() -> list[Case]:
                     dict(
                         x_ptr=f"*{dt}",
                         w13_ptr=f"*{dt}",
+                        ws13_ptr=f"*{dt}",
                         act_ptr=f"*{dt}",
                         **common,
                         stride_xt=HIDDEN,
@@ -497,44 +592,97 @@ def _moe_cases() -> list[Case]:
                         stride_we=2 * MOE_INTER * HIDDEN,
                         stride_wn=HIDDEN,
                         stride_wh=1,
+                        stride_sn=HIDDEN,
                         stride_ap=MOE_INTER,
                         stride_ai=1,
-                        TOP_K=TOP_K,
+                        NUM_SLOTS=slots,
                         **blocks,
                     ),
                     launch,
                 )
             )
-            cases.append(
-                Case(
-                    f"moe down {tag}",
-                    "moe",
-                    "_down_kernel",
-                    dict(
-                        act_ptr=f"*{dt}",
-                        w2_ptr=f"*{dt}",
-                        weights_ptr="*fp32",
-                        out_ptr=f"*{dt}",
-                        **common,
-                        stride_ap=MOE_INTER,
-                        stride_ai=1,
-                        stride_we=HIDDEN * MOE_INTER,
-                        stride_wh=MOE_INTER,
-                        stride_wi=1,
-                        stride_op=HIDDEN,
-                        stride_oh=1,
-                        **blocks,
-                    ),
-                    launch,
+            for split in (1, 2) if dt == "bf16" else (1,):
+                part = "fp32" if split > 1 else dt
+                cases.append(
+                    Case(
+                        f"moe down {tag} SPLIT_K={split}",
+                        "moe",
+                        "_down_kernel",
+                        dict(
+                            act_ptr=f"*{dt}",
+                            w2_ptr=f"*{dt}",
+                            ws2_ptr=f"*{dt}",
+                            weights_ptr="*fp32",
+                            part_ptr=f"*{part}",
+                            **common,
+                            stride_ap=MOE_INTER,
+                            stride_ai=1,
+                            stride_we=HIDDEN * MOE_INTER,
+                            stride_wh=MOE_INTER,
+                            stride_wi=1,
+                            stride_sh=MOE_INTER,
+                            stride_gt=slots,
+                            stride_gs=1,
+                            stride_ps=ANY * slots * HIDDEN,
+                            stride_pp=HIDDEN,
+                            stride_ph=1,
+                            NUM_SLOTS=slots,
+                            SPLIT_K=split,
+                            **blocks,
+                        ),
+                        launch,
+                    )
                 )
+    # The combine: 9 slots (shared expert included), or 8 plus an FP8 shared expert's output (HAS_EXTRA).
+    for part, parts, extra in (("bf16", 1, False), ("fp32", 2, False), ("bf16", 1, True)):
+        cases.append(
+            Case(
+                f"moe combine {part} PARTS={parts} HAS_EXTRA={extra}",
+                "moe",
+                "_combine_kernel",
+                dict(
+                    part_ptr=f"*{part}",
+                    extra_ptr="*bf16",
+                    gate_ptr="*fp32",
+                    out_ptr="*bf16",
+                    hidden=HIDDEN,
+                    stride_ps=ANY * slots * HIDDEN,
+                    stride_pp=HIDDEN,
+                    stride_ph=1,
+                    stride_et=HIDDEN,
+                    stride_eh=1,
+                    stride_g=slots,
+                    stride_ot=HIDDEN,
+                    stride_oh=1,
+                    NUM_SLOTS=TOP_K if extra else slots,
+                    PARTS=parts,
+                    HAS_EXTRA=extra,
+                    BLOCK_H=512,
+                ),
+                dict(num_warps=4),
             )
+        )
     return cases
+
+
+def _swiglu_cases() -> list[Case]:
+    # The shared expert's [T, 2 * 512] gate_up output (an FP8 one, outside the grouped GEMMs).
+    return [
+        Case(
+            f"swiglu {dt} BLOCK=512",
+            "swiglu",
+            "_swiglu_kernel",
+            dict(x=f"*{dt}", out=f"*{dt}", inter=MOE_INTER, stride_xm=2 * MOE_INTER, BLOCK=MOE_INTER),
+            dict(num_warps=4),
+        )
+        for dt in ("bf16", "fp32")
+    ]
 
 
 def _norm_cases() -> list[Case]:
     cases = []
 
-    def norm(name, dt, w_dt, strides, b, d, br, gated, zero_centered, rounded):
+    def norm(name, dt, w_dt, strides, b, d, br, gated, zero_centered, rounded, residual=False):
         cases.append(
             Case(
                 f"norm {name} {dt} BR={br} BD={d}",
@@ -544,11 +692,15 @@ def _norm_cases() -> list[Case]:
                     x=f"*{dt}",
                     weight=f"*{w_dt}",
                     gate=f"*{dt}",
+                    residual=f"*{dt}",
                     out=f"*{dt}",
+                    residual_out=f"*{dt}",
                     stride_xa=strides[0],
                     stride_xb=strides[1],
                     stride_ga=strides[2],
                     stride_gb=strides[3],
+                    stride_ra=strides[0],
+                    stride_rb=strides[1],
                     B=b,
                     R=ANY,
                     D=d,
@@ -558,6 +710,7 @@ def _norm_cases() -> list[Case]:
                     IS_GATED=gated,
                     IS_ZERO_CENTERED=zero_centered,
                     IS_ROUNDED_PRODUCT=rounded,
+                    HAS_RESIDUAL=residual,
                 ),
                 dict(num_warps=4),
             )
@@ -583,6 +736,11 @@ def _norm_cases() -> list[Case]:
     for br in (2, 4, 8, 16):
         norm("k", "bf16", "bf16", (qkv, HEAD_DIM) * 2, HKV, HEAD_DIM, br, False, True, False)
     norm("plain", "bf16", "bf16", (ANY * HIDDEN, HIDDEN) * 2, ANY, HIDDEN, 2, False, False, False)
+    # Residual add + norm (every decoder layer, twice): [T, 2048] and its residual stream.
+    for dt, brs in (("bf16", (1, 2)), ("fp32", (2,))):
+        for br in brs:
+            hidden = (ANY * HIDDEN, HIDDEN) * 2
+            norm("add", dt, dt, hidden, ANY, HIDDEN, br, False, True, False, residual=True)
     # Gated: [T, 32, 128] with z's column slice of in_proj_qkvz as the gate; the product is rounded to bf16
     # when the weight is bf16 too, not with an fp32 weight or fp32 activations.
     gated_strides = (LIN_HV * LIN_D, LIN_D, QKVZ, LIN_D)
@@ -595,6 +753,27 @@ def _norm_cases() -> list[Case]:
 
 def _rotary_cases() -> list[Case]:
     cases = []
+    # cos/sin tables [T, 64] from int64 positions: BT = min(32, next_pow2(T)).
+    for bt in (1, 32):
+        cases.append(
+            Case(
+                f"rotary cos_sin BT={bt} BD=64",
+                "rotary",
+                "_cos_sin_kernel",
+                dict(
+                    positions="*i64",
+                    inv_freq="*fp32",
+                    cos="*fp32",
+                    sin="*fp32",
+                    T=ANY,
+                    RD=64,
+                    scale=1.0,
+                    BT=bt,
+                    BD=64,
+                ),
+                dict(num_warps=4),
+            )
+        )
     # q [T, 16, 256] and k [T, 2, 256] (the norms' contiguous outputs), cos/sin [T, 64] fp32.
     for dt, heads in (("bf16", HQ), ("bf16", HKV), ("fp32", HQ)):
         cases.append(
@@ -625,14 +804,109 @@ def _rotary_cases() -> list[Case]:
     return cases
 
 
+def _qk_norm_rotary_cases() -> list[Case]:
+    # q [T, 16, 256] inside [T, 16, q | gate], k [T, 2, 256] inside the qkv_proj output; 4 heads a program.
+    qkv = HQ * 2 * HEAD_DIM + 2 * HKV * HEAD_DIM
+    return [
+        Case(
+            f"qk_norm_rotary {dt} BH=4 BD={HEAD_DIM}",
+            "qk_norm_rotary",
+            "_qk_norm_rotary_kernel",
+            dict(
+                q=f"*{dt}",
+                k=f"*{dt}",
+                q_weight=f"*{dt}",
+                k_weight=f"*{dt}",
+                cos="*fp32",
+                sin="*fp32",
+                q_out=f"*{dt}",
+                k_out=f"*{dt}",
+                stride_qt=qkv,
+                stride_qh=2 * HEAD_DIM,
+                stride_kt=qkv,
+                stride_kh=HEAD_DIM,
+                stride_ct=64,
+                stride_cd=1,
+                stride_st=64,
+                stride_sd=1,
+                HQ=HQ,
+                HKV=HKV,
+                D=HEAD_DIM,
+                RD=64,
+                eps=1e-6,
+                BH=4,
+                BD=HEAD_DIM,
+            ),
+            dict(num_warps=4, enable_fp_fusion=False),
+        )
+        for dt in ("bf16", "fp32")
+    ]
+
+
+def _gate_cases() -> list[Case]:
+    cases = []
+    # DeltaNet gates: b and a column slices of in_proj_ba's [T, 2 Hv] output; BT = min(32, next_pow2(T)).
+    for dt, bt in (("bf16", 1), ("bf16", 32), ("fp32", 32)):
+        cases.append(
+            Case(
+                f"deltanet_gate {dt} BT={bt} BH={LIN_HV}",
+                "deltanet_gate",
+                "_deltanet_gate_kernel",
+                dict(
+                    a=f"*{dt}",
+                    b=f"*{dt}",
+                    a_log=f"*{dt}",
+                    dt_bias=f"*{dt}",
+                    g="*fp32",
+                    beta=f"*{dt}",
+                    stride_at=2 * LIN_HV,
+                    stride_bt=2 * LIN_HV,
+                    T=ANY,
+                    HV=LIN_HV,
+                    BT=bt,
+                    BH=LIN_HV,
+                ),
+                dict(num_warps=4),
+            )
+        )
+    # Attention output gate: [T, 16, 256] output, gate the second half of each head of the projection.
+    qkv = HQ * 2 * HEAD_DIM + 2 * HKV * HEAD_DIM
+    for dt in ("bf16", "fp32"):
+        cases.append(
+            Case(
+                f"sigmoid_gate {dt} BH=8 BD={HEAD_DIM}",
+                "sigmoid_gate",
+                "_sigmoid_gate_kernel",
+                dict(
+                    x=f"*{dt}",
+                    gate=f"*{dt}",
+                    out=f"*{dt}",
+                    stride_xt=HQ * HEAD_DIM,
+                    stride_xh=HEAD_DIM,
+                    stride_gt=qkv,
+                    stride_gh=2 * HEAD_DIM,
+                    H=HQ,
+                    D=HEAD_DIM,
+                    BH=8,
+                    BD=HEAD_DIM,
+                ),
+                dict(num_warps=4),
+            )
+        )
+    return cases
+
+
 def _cases() -> list[Case]:
     return [
         *_attention_cases(),
         *_conv_cases(),
         *_fp8_cases(),
+        *_gate_cases(),
         *_gated_delta_cases(),
         *_moe_cases(),
+        *_swiglu_cases(),
         *_norm_cases(),
+        *_qk_norm_rotary_cases(),
         *_rotary_cases(),
     ]
 

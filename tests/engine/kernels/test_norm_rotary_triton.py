@@ -1,12 +1,13 @@
-"""The Triton RMSNorm, gated RMSNorm and partial rotary against their references, over odd sizes."""
+"""The Triton RMSNorm (alone and after a residual add), gated RMSNorm, partial rotary and its cos/sin tables
+against their references, over odd sizes."""
 
 import pytest
 import torch
 
 from engine.kernels.norm import reference as norm_ref
-from engine.kernels.norm.triton import gated_rms_norm, rms_norm
+from engine.kernels.norm.triton import add_rms_norm, gated_rms_norm, rms_norm
 from engine.kernels.rotary import reference as rotary_ref
-from engine.kernels.rotary.triton import apply_rotary
+from engine.kernels.rotary.triton import apply_rotary, rotary_cos_sin
 
 EPS = 1e-6
 # Under the interpreter on a CPU-only machine (conftest.py), on the GPU where there is one.
@@ -45,6 +46,33 @@ def test_rms_norm_strided_heads(dtype):
     torch.testing.assert_close(rms_norm(k, w, EPS), norm_ref.rms_norm(k, w, EPS), **TOL[dtype])
     x4 = rand(2, 3, 4, 16, seed=5, dtype=dtype)  # more than three dims
     torch.testing.assert_close(rms_norm(x4, w, EPS), norm_ref.rms_norm(x4, w, EPS), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [7, 33, 128])
+@pytest.mark.parametrize("rows", [1, 3, 65])
+def test_add_rms_norm(rows, d, dtype):
+    x, res = rand(rows, d, seed=d, dtype=dtype), rand(rows, d, seed=d + 1, dtype=dtype)
+    w = rand(d, seed=2, dtype=dtype) * 0.1
+    x_before, res_before = x.clone(), res.clone()
+    normed, total = add_rms_norm(x, res, w, EPS)
+    ref_normed, ref_total = norm_ref.add_rms_norm(x, res, w, EPS)
+    assert normed.dtype == total.dtype == dtype and normed.shape == total.shape == x.shape
+    # the sum is one rounded add on both sides: exact
+    torch.testing.assert_close(total, ref_total, rtol=0, atol=0)
+    torch.testing.assert_close(normed, ref_normed, **TOL[dtype])
+    assert torch.equal(x, x_before) and torch.equal(res, res_before)  # inputs are not written
+
+
+def test_add_rms_norm_strided_and_fp32_weight():
+    # x a column slice of a wider row, a 3-d residual, an fp32 weight with fp16 activations
+    x = rand(4, 2, 40, seed=1, dtype=torch.float16)[..., 3:35]
+    res = rand(4, 2, 32, seed=2, dtype=torch.float16)
+    w = rand(32, seed=3) * 0.1
+    normed, total = add_rms_norm(x, res, w, EPS)
+    ref_normed, ref_total = norm_ref.add_rms_norm(x, res, w, EPS)
+    torch.testing.assert_close(total, ref_total, rtol=0, atol=0)
+    torch.testing.assert_close(normed, ref_normed, **TOL[torch.float16])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -89,6 +117,21 @@ def test_apply_rotary(t, h, d, rd, dtype):
     torch.testing.assert_close(out, rotary_ref.apply_rotary(x, cos, sin), **ROTARY_TOL[dtype])
 
 
+@pytest.mark.parametrize("scale", [1.0, 1.25])
+@pytest.mark.parametrize("rd", [2, 8, 64, 96])
+@pytest.mark.parametrize("t", [1, 3, 65])
+def test_rotary_cos_sin(t, rd, scale):
+    # positions up to Qwen3.5's 262144 (angles of 2.6e5 rad at the first frequency): the same fp32 angle
+    # on both sides, then cos/sin of two libraries (an ulp or so)
+    positions = torch.randint(0, 262144, (t,), generator=torch.Generator().manual_seed(t)).to(DEVICE)
+    inv_freq = 1.0 / (10_000_000 ** (torch.arange(0, rd, 2, dtype=torch.float32, device=DEVICE) / rd))
+    cos, sin = rotary_cos_sin(positions, inv_freq, scale)
+    ref_cos, ref_sin = rotary_ref.rotary_cos_sin(positions, inv_freq, scale)
+    assert cos.shape == sin.shape == (t, rd) and cos.dtype == sin.dtype == torch.float32
+    torch.testing.assert_close(cos, ref_cos, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(sin, ref_sin, rtol=1e-5, atol=2e-6)
+
+
 def test_apply_rotary_strided_input():
     x, cos, sin = rotary_inputs(5, 3, 40, 8, torch.float32, seed=3)
     wide = torch.cat((x, rand(5, 3, 8, seed=4)), dim=-1)[..., :40]  # [T, H, D] view of wider heads
@@ -110,6 +153,20 @@ def test_rms_norm_real_shapes_bf16(rows, d):
     w = rand(d, seed=2, dtype=torch.bfloat16, device="cuda") * 0.1
     out = rms_norm(x, w, EPS)
     torch.testing.assert_close(out.float(), norm_ref.rms_norm(x.float(), w.float(), EPS), **BF16_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 64, 4099])
+def test_add_rms_norm_real_shapes_bf16(rows):
+    # the decoder's residual stream: hidden 2048, decode and prefill row counts
+    x = rand(rows, 2048, seed=1, dtype=torch.bfloat16, device="cuda")
+    res = rand(rows, 2048, seed=2, dtype=torch.bfloat16, device="cuda")
+    w = rand(2048, seed=3, dtype=torch.bfloat16, device="cuda") * 0.1
+    normed, total = add_rms_norm(x, res, w, EPS)
+    ref_normed, ref_total = norm_ref.add_rms_norm(x, res, w, EPS)
+    torch.testing.assert_close(total, ref_total, rtol=0, atol=0)
+    torch.testing.assert_close(normed, ref_normed, **BF16_TOL)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,199 @@
+"""Triton q/k RMSNorm + partial rotary: one launch for the query and key heads of a batch.
+
+Programs (token, block of BH heads) cover the query heads' blocks first, then the key heads'. Each loads its
+heads' [BH, BD] channels and, for the first rd of them, their rotate-half partners (channel j +- rd/2),
+normalises both with the row's fp32 rstd and their own weights, rounds them to the input dtype (where the
+reference's norm ends), and rotates them with the rotary reference's rounding: cos/sin cast to the dtype,
+each product rounded, then their sum.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.qk_norm_rotary import reference
+
+# Heads of more channels than this take the reference (no such model).
+MAX_DIM = 4096
+# Elements of one program's [BH, BD] tile: at head dim 256, 4 heads, so a decode step still spreads over
+# several programs per token.
+TILE = 1024
+
+
+@triton.jit
+def _norm_rotary_heads(
+    x,  # [T, H, D], last dim contiguous
+    weight,  # [D]
+    cos,  # [T, RD]
+    sin,  # [T, RD]
+    out,  # [T, H, D], contiguous
+    i_t,
+    i_b,
+    stride_xt,
+    stride_xh,
+    stride_ct,
+    stride_cd,
+    stride_st,
+    stride_sd,
+    H,
+    D,
+    RD,
+    eps,
+    BH: tl.constexpr,
+    BD: tl.constexpr,
+):
+    o_h = i_b * BH + tl.arange(0, BH)  # [BH]
+    o_d = tl.arange(0, BD)  # [BD]
+    half = RD // 2
+    m = (o_h < H)[:, None] & (o_d < D)[None, :]
+    m_rot = o_d < RD
+    # rotate_half(x)[j] = -x[j + rd/2] for j < rd/2, x[j - rd/2] for rd/2 <= j < rd.
+    partner = tl.where(o_d < half, o_d + half, o_d - half)
+    sign = tl.where(o_d < half, -1.0, 1.0)
+
+    p_x = x + i_t * stride_xt + o_h[:, None] * stride_xh  # [BH, 1]
+    b_x = tl.load(p_x + o_d[None, :], mask=m, other=0.0)  # [BH, BD]
+    b_y = tl.load(p_x + partner[None, :], mask=m & m_rot[None, :], other=0.0)
+    dt = b_x.dtype
+    xf = b_x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]  # [BH, 1]
+    w_x = 1.0 + tl.load(weight + o_d, mask=o_d < D, other=0.0).to(tl.float32)
+    w_y = 1.0 + tl.load(weight + partner, mask=m_rot, other=0.0).to(tl.float32)
+    n_x = (xf * rstd * w_x[None, :]).to(dt)
+    n_y = (b_y.to(tl.float32) * rstd * w_y[None, :]).to(dt)
+
+    b_cos = tl.load(cos + i_t * stride_ct + o_d * stride_cd, mask=m_rot, other=0.0).to(dt).to(tl.float32)
+    b_sin = tl.load(sin + i_t * stride_st + o_d * stride_sd, mask=m_rot, other=0.0).to(dt).to(tl.float32)
+    a = (n_x.to(tl.float32) * b_cos[None, :]).to(dt)
+    b = (n_y.to(tl.float32) * (sign * b_sin)[None, :]).to(dt)
+    rotated = (a.to(tl.float32) + b.to(tl.float32)).to(dt)
+    b_out = tl.where(m_rot[None, :], rotated, n_x)
+    p_out = out + (i_t * H + o_h)[:, None] * D + o_d[None, :]
+    tl.store(p_out, b_out.to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(
+    q,  # [T, HQ, D], last dim contiguous
+    k,  # [T, HKV, D], last dim contiguous
+    q_weight,  # [D]
+    k_weight,  # [D]
+    cos,  # [T, RD] fp32
+    sin,  # [T, RD] fp32
+    q_out,  # [T, HQ, D], contiguous
+    k_out,  # [T, HKV, D], contiguous
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ct,
+    stride_cd,
+    stride_st,
+    stride_sd,
+    HQ,
+    HKV,
+    D,
+    RD,
+    eps,
+    BH: tl.constexpr,
+    BD: tl.constexpr,
+):
+    i_t, i_b = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    q_blocks = tl.cdiv(HQ, BH)
+    if i_b < q_blocks:
+        _norm_rotary_heads(
+            q,
+            q_weight,
+            cos,
+            sin,
+            q_out,
+            i_t,
+            i_b,
+            stride_qt,
+            stride_qh,
+            stride_ct,
+            stride_cd,
+            stride_st,
+            stride_sd,
+            HQ,
+            D,
+            RD,
+            eps,
+            BH,
+            BD,
+        )
+    else:
+        _norm_rotary_heads(
+            k,
+            k_weight,
+            cos,
+            sin,
+            k_out,
+            i_t,
+            i_b - q_blocks,
+            stride_kt,
+            stride_kh,
+            stride_ct,
+            stride_cd,
+            stride_st,
+            stride_sd,
+            HKV,
+            D,
+            RD,
+            eps,
+            BH,
+            BD,
+        )
+
+
+def qk_norm_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # q [T, Hq, D], k [T, Hkv, D] (strided views), weights [D], cos/sin [T, rd] with rd <= D.
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    if d > MAX_DIM:
+        return reference.qk_norm_rotary(q, k, q_weight, k_weight, cos, sin, eps)
+    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)
+    if t == 0:
+        return q_out, k_out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    bd = triton.next_power_of_2(d)
+    bh = max(1, min(triton.next_power_of_2(max(hq, hkv)), TILE // bd))
+    grid = (t, triton.cdiv(hq, bh) + triton.cdiv(hkv, bh))
+    _qk_norm_rotary_kernel[grid](
+        q,
+        k,
+        q_weight,
+        k_weight,
+        cos,
+        sin,
+        q_out,
+        k_out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        cos.stride(1),
+        sin.stride(0),
+        sin.stride(1),
+        hq,
+        hkv,
+        d,
+        cos.shape[-1],
+        eps,
+        BH=bh,
+        BD=bd,
+        num_warps=4,
+        enable_fp_fusion=False,  # no FMA: keep the references' rounding of each product
+    )
+    return q_out, k_out

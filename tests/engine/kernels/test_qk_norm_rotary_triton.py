@@ -1,0 +1,83 @@
+"""The Triton q/k RMSNorm + partial rotary against the reference (the norm and rotary references in turn)."""
+
+import pytest
+import torch
+
+from engine.kernels.qk_norm_rotary import reference
+from engine.kernels.qk_norm_rotary.triton import qk_norm_rotary
+from engine.kernels.rotary import reference as rotary_ref
+
+EPS = 1e-6
+# Under the interpreter on a CPU-only machine (conftest.py), on the GPU where there is one.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The norm's mean square is summed in another order (a few fp32 ulps); in fp16 that can move the normed
+# value by one ulp before the rotation, and the rotation's rounded products by one more.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
+DTYPES = [torch.float32, torch.float16]
+
+
+def rand(*shape, seed=0, dtype=torch.float32, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
+
+
+def tables(t, rd, seed=0, device=DEVICE):
+    positions = torch.randint(0, 5000, (t,), generator=torch.Generator().manual_seed(seed)).to(device)
+    inv_freq = 1.0 / (10_000_000 ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
+    return rotary_ref.rotary_cos_sin(positions, inv_freq, 1.0)
+
+
+def projection(t, hq, hkv, d, dtype, seed=0, device=DEVICE):
+    """q [T, Hq, D] and k [T, Hkv, D] as the model's views: q interleaved with its gate per head, k a column
+    slice of the same [q+gate | k | v] row."""
+    row = rand(t, hq * 2 * d + 2 * hkv * d, seed=seed, dtype=dtype, device=device)
+    q = row[:, : hq * 2 * d].view(t, hq, 2 * d)[..., :d]
+    k = row[:, hq * 2 * d : hq * 2 * d + hkv * d].view(t, hkv, d)
+    return q, k
+
+
+def check(t, hq, hkv, d, rd, dtype, seed=0):
+    q, k = projection(t, hq, hkv, d, dtype, seed=seed)
+    wq, wk = rand(d, seed=seed + 1, dtype=dtype) * 0.2, rand(d, seed=seed + 2, dtype=dtype) * 0.2
+    cos, sin = tables(t, rd, seed=seed)
+    out_q, out_k = qk_norm_rotary(q, k, wq, wk, cos, sin, EPS)
+    ref_q, ref_k = reference.qk_norm_rotary(q, k, wq, wk, cos, sin, EPS)
+    assert out_q.shape == (t, hq, d) and out_k.shape == (t, hkv, d)
+    assert out_q.dtype == out_k.dtype == dtype and out_q.is_contiguous() and out_k.is_contiguous()
+    torch.testing.assert_close(out_q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(out_k, ref_k, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("d", "rd"), [(7, 4), (33, 8), (64, 16), (16, 16)])
+@pytest.mark.parametrize(("hq", "hkv"), [(1, 1), (4, 2), (6, 1), (16, 2)])
+@pytest.mark.parametrize("t", [1, 3, 65])
+def test_qk_norm_rotary(t, hq, hkv, d, rd, dtype):
+    check(t, hq, hkv, d, rd, dtype, seed=t + hq + d)
+
+
+def test_qk_norm_rotary_contiguous_and_fp32_weights():
+    # contiguous q/k (other callers), fp32 master weights with fp16 activations
+    t, hq, hkv, d, rd = 5, 3, 1, 32, 8
+    q, k = rand(t, hq, d, seed=1, dtype=torch.float16), rand(t, hkv, d, seed=2, dtype=torch.float16)
+    wq, wk = rand(d, seed=3) * 0.2, rand(d, seed=4) * 0.2
+    cos, sin = tables(t, rd, seed=5)
+    out = qk_norm_rotary(q, k, wq, wk, cos, sin, EPS)
+    ref = reference.qk_norm_rotary(q, k, wq, wk, cos, sin, EPS)
+    for a, b in zip(out, ref, strict=True):
+        torch.testing.assert_close(a, b, **TOL[torch.float16])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 64, 4099])
+def test_qk_norm_rotary_real_shapes_bf16(t):
+    # Qwen3.5-35B-A3B: 16 query heads and 2 KV heads of 256, rotary on the first 64 channels
+    q, k = projection(t, 16, 2, 256, torch.bfloat16, seed=t, device="cuda")
+    wq = rand(256, seed=1, dtype=torch.bfloat16, device="cuda") * 0.2
+    wk = rand(256, seed=2, dtype=torch.bfloat16, device="cuda") * 0.2
+    cos, sin = tables(t, 64, seed=t, device="cuda")
+    out = qk_norm_rotary(q, k, wq, wk, cos, sin, EPS)
+    ref = reference.qk_norm_rotary(q, k, wq, wk, cos, sin, EPS)
+    for a, b in zip(out, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)  # a bf16 ulp or two where a rounding flips

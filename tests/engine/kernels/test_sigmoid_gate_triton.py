@@ -1,0 +1,49 @@
+"""The Triton attention output gate `x * sigmoid(gate)` against the reference, the gate strided as in the
+model."""
+
+import pytest
+import torch
+
+from engine.kernels.sigmoid_gate import reference
+from engine.kernels.sigmoid_gate.triton import sigmoid_gate
+
+# Under the interpreter on a CPU-only machine (conftest.py), on the GPU where there is one.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The same two roundings on both sides; exp of another library can move the sigmoid by an fp32 ulp, and
+# through its cast an fp16 ulp.
+TOL = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.float16: dict(rtol=1e-3, atol=1e-3)}
+
+
+def rand(*shape, seed=0, dtype=torch.float32, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
+
+
+def gated_inputs(t, h, d, dtype, seed=0, device=DEVICE):
+    """x [T, H, D] contiguous (the attention output) and gate [T, H, D], the second half of each head of
+    the [T, H, q_h | gate_h] projection, inside a wider row."""
+    x = rand(t, h, d, seed=seed, dtype=dtype, device=device)
+    row = rand(t, h * 2 * d + 7, seed=seed + 1, dtype=dtype, device=device)
+    gate = row[:, : h * 2 * d].view(t, h, 2 * d)[..., d:]
+    return x, gate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("d", [7, 33, 128])
+@pytest.mark.parametrize("h", [1, 3, 16])
+@pytest.mark.parametrize("t", [1, 3, 65])
+def test_sigmoid_gate(t, h, d, dtype):
+    x, gate = gated_inputs(t, h, d, dtype, seed=t + h + d)
+    out = sigmoid_gate(x, gate)
+    assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
+    torch.testing.assert_close(out, reference.sigmoid_gate(x, gate), **TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 64, 4099])
+def test_sigmoid_gate_real_shapes_bf16(t):
+    # 16 query heads of 256
+    x, gate = gated_inputs(t, 16, 256, torch.bfloat16, seed=t, device="cuda")
+    out = sigmoid_gate(x, gate)
+    torch.testing.assert_close(out, reference.sigmoid_gate(x, gate), rtol=1e-2, atol=1e-2)  # one bf16 ulp
