@@ -3,8 +3,9 @@
 # repository root on the GPU machine with $OUT set and ENCLAVE_COMMIT naming the commit under test.
 #   STEPS="kernels gpu_tests batching" bash benchmarks/h200_session.sh      (one call)
 #   STEPS="bench" bash benchmarks/h200_session.sh --quick --workloads a,b     (another: calls are <= 10 min)
+#   STEPS="micro profile" ...   kernel microbenchmarks (benchmarks/kernels_*.py) and one-step profiles
 # Writes under $OUT: gpu.txt (GPU and stack), kernels.txt (kernel tests compiled on the GPU), gpu_tests.txt
-# (`-m gpu` tests), batching_*.{txt,json} and bench.{txt,json}.
+# (`-m gpu` tests), batching_*.{txt,json}, micro.txt + kernels_*.json, profile_*.txt and bench.{txt,json}.
 set -u
 OUT=${OUT:?set OUT}
 export TOKENIZERS_PARALLELISM=false
@@ -28,6 +29,10 @@ for step in $STEPS; do
         --json "$OUT/batching_triton.json"
       run batching_torch 150 env ENCLAVE_KERNELS=torch python benchmarks/engine_batching.py --device cuda \
         --dtype bfloat16 --repeats 3 --json "$OUT/batching_torch.json" ;;
+    micro) for k in gated_delta moe decoder; do
+        run "micro_$k" 90 env ENCLAVE_TRITON_PREFILL=1 python "benchmarks/kernels_$k.py" --json "$OUT/kernels_$k.json"
+      done ;;
+    profile) run profile 150 env ENCLAVE_TRITON_PREFILL=1 python benchmarks/profile_step.py --out "$OUT" --rows 30 ;;
     bench) run bench 540 python -m engine.bench --preset qwen3.5-35b-a3b --json "$OUT/bench.json" "$@" ;;
   esac
 done
