@@ -12,5 +12,5 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(autouse=True)
 def _prefill_kernels_on(monkeypatch):
-    """Kernel tests test the Triton prefill kernels too (the engine gates them until a GPU run; dispatch)."""
+    """Kernel tests test the Triton prefill kernels even where the environment switched them off."""
     monkeypatch.setenv("ENCLAVE_TRITON_PREFILL", "1")
