@@ -34,6 +34,7 @@ if not CUDA:
 
 from engine.bench.presets import QWEN35_35B_A3B, init_parameter_  # noqa: E402
 from engine.config import config_from_dict  # noqa: E402
+from engine.kernels.moe import config as moe_config  # noqa: E402
 from engine.kernels.moe import reference  # noqa: E402
 from engine.kernels.moe import triton as moe_triton  # noqa: E402
 from engine.kernels.moe.config import ExpertsConfig, GemmTiles  # noqa: E402
@@ -251,6 +252,13 @@ def main() -> None:
     parser.add_argument("--tokens", default=None, help="comma-separated token counts")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--sweep", action="store_true", help="also time the GEMM tile candidates (T <= 256)")
+    parser.add_argument(
+        "--write-config",
+        nargs="?",
+        const="auto",
+        help="with --sweep: merge the best tiles per T into this JSON table (default: the GPU's file in "
+        "engine/kernels/moe/configs/, which the engine reads)",
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if CUDA else "cpu")
     dtype = torch.bfloat16 if CUDA else torch.float32
@@ -274,8 +282,27 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1, default=str))
         print(f"wrote {args.json}")
+    if args.write_config and CUDA:
+        write_config(block, dtype, points, name, args.write_config)
     if not all(p["ok"] for p in points):
         sys.exit(1)
+
+
+def write_config(block: SparseMoe, dtype: torch.dtype, points: list[dict], name: str, where: str) -> None:
+    """Merge each swept T's best gate_up tiles and best down tiles (with their split) into the table."""
+    path = moe_config.table_path(name) if where == "auto" else Path(where)
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    e, _, inter = block.w2.shape
+    key = moe_config.table_key(e, block.w13.shape[2], inter, block.top_k, dtype)
+    entries = table.setdefault(key, {})
+    for p in points:
+        if "sweep" in p:
+            up, down = p["sweep"]["best_gate_up"], p["sweep"]["best_down"]
+            config = ExpertsConfig(16, GemmTiles(**up["gate_up"]), GemmTiles(**down["down"]), down["split_k"])
+            entries[str(p["tokens"])] = config.to_dict()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {len(entries)} tuned entries for {key} to {path}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,22 @@
-"""Tile sizes of the MoE grouped GEMMs, and the choice by batch shape."""
+"""Tile sizes of the MoE grouped GEMMs, and the choice by batch shape: a tuned table for this GPU when one
+exists (`configs/<GPU name>.json`, written by `benchmarks/kernels_moe.py --sweep --write-config`), else
+shape rules.
+
+A table maps `table_key(...)` (expert count, hidden and intermediate sizes, routed top-k, dtype) to entries
+keyed by token count; a batch takes the entry of the nearest tuned token count.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
+
+CONFIG_DIR = Path(__file__).with_name("configs")
 
 
 @dataclass(frozen=True)
@@ -32,6 +44,48 @@ class ExpertsConfig:
         """The same tiles for both GEMMs."""
         tiles = GemmTiles(block_n, block_k, num_stages=num_stages)
         return cls(block_m, tiles, tiles, split_k)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ExpertsConfig:
+        return cls(
+            data["block_m"], GemmTiles(**data["gate_up"]), GemmTiles(**data["down"]), data.get("split_k", 1)
+        )
+
+
+def table_key(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype) -> str:
+    return f"E={num_experts},H={hidden},I={inter},k={top_k},dtype={str(dtype).removeprefix('torch.')}"
+
+
+def table_path(device_name: str, directory: Path = CONFIG_DIR) -> Path:
+    return directory / (re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name).strip("_") + ".json")
+
+
+@functools.cache
+def _table(path: Path) -> dict[str, dict[int, ExpertsConfig]]:
+    if not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    return {key: {int(t): ExpertsConfig.from_dict(c) for t, c in rows.items()} for key, rows in raw.items()}
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def tuned_config(
+    num_tokens: int, key: str, device: torch.device, directory: Path = CONFIG_DIR
+) -> ExpertsConfig | None:
+    """The tuned entry nearest `num_tokens` for `key` on this device's GPU, or None without a table."""
+    if device.type != "cuda":
+        return None
+    entries = _table(table_path(_device_name(device.index or 0), directory)).get(key)
+    if not entries:
+        return None
+    return entries[min(entries, key=lambda t: (abs(t - num_tokens), t))]
 
 
 def choose_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> ExpertsConfig:

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from engine.kernels.moe import reference
 from engine.kernels.moe.align import _align_kernel, _count_kernel, align_block_size  # noqa: F401 (sm_90 test)
-from engine.kernels.moe.config import ExpertsConfig, GemmTiles, choose_config
+from engine.kernels.moe.config import ExpertsConfig, GemmTiles, choose_config, table_key, tuned_config
 
 _DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -371,5 +371,8 @@ def experts(
     if not (same and strides and shapes and x.dtype in _DOT_DTYPES):
         return reference.experts(x, w13, w2, weights, ids, *shared)
     top_k = ids.shape[1] - has_weights
-    config = choose_config(x.shape[0], max(1, top_k), w2.shape[0], x.dtype)
+    key = table_key(w2.shape[0], x.shape[1], w2.shape[2], top_k, x.dtype)
+    config = tuned_config(x.shape[0], key, x.device) or choose_config(
+        x.shape[0], max(1, top_k), w2.shape[0], x.dtype
+    )
     return fused_experts(x, w13, w2, weights, ids, config, *shared)
