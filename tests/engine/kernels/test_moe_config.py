@@ -2,9 +2,19 @@
 
 import json
 
+import pytest
 import torch
 
-from engine.kernels.moe import config
+from engine.kernels.moe import config, reference
+from engine.kernels.moe import triton as moe_triton
+from tests.engine.kernels.test_moe_triton import (
+    REL_TOL,
+    assert_relative,
+    expert_weights,
+    nan_empty,  # noqa: F401 (fixture)
+    rand,
+    shared_weights,
+)
 
 
 def test_table_lookup_takes_the_nearest_tuned_token_count(tmp_path, monkeypatch):
@@ -28,3 +38,22 @@ def test_shipped_tables_parse():
     for path in config.CONFIG_DIR.glob("*.json"):
         for entries in config._table(path).values():
             assert all(isinstance(c, config.ExpertsConfig) for c in entries.values())
+
+
+def shipped_configs() -> list:
+    tables = [config._table(path) for path in config.CONFIG_DIR.glob("*.json")]
+    return sorted({c for table in tables for entries in table.values() for c in entries.values()}, key=repr)
+
+
+@pytest.mark.usefixtures("nan_empty")
+@pytest.mark.parametrize("tiles", shipped_configs(), ids=repr)
+def test_shipped_tiles_compute_the_reference(tiles):
+    """Every tuned entry is a valid tiling: same result as the reference on an odd problem (the sweep that
+    chose them timed, it did not check)."""
+    t, h, i, e, k = 13, 80, 48, 6, 3
+    x = rand(t, h, seed=21)
+    w13, w2 = expert_weights(e, h, i, torch.float32, seed=22)
+    s13, s2 = shared_weights(h, 40, torch.float32, seed=23)
+    weights, ids = reference.route(rand(t, e + 1, seed=24), k, True, shared=True)
+    out = moe_triton.fused_experts(x, w13, w2, weights, ids, tiles, s13, s2)
+    assert_relative(out, reference.experts(x, w13, w2, weights, ids, s13, s2), REL_TOL[torch.float32])
