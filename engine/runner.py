@@ -146,7 +146,12 @@ class ModelRunner:
                 if kept < len(drafts):
                     # The state after the last accepted input is the verify step's kept[th] position.
                     commits.append((layout.state_out[index][kept], seq.slot))
-            lps = logprob_entries(logits[block][: len(tokens)], tokens, [seq.params.logprobs] * len(tokens))
+            want = seq.params.logprobs
+            lps = (  # slicing the logits costs microseconds per sequence: only where log-probs are asked for
+                logprob_entries(logits[block][: len(tokens)], tokens, [want] * len(tokens))
+                if want is not None
+                else [None] * len(tokens)
+            )
             for token, lp in zip(tokens, lps, strict=True):
                 seq.append(token, lp)
                 generated += 1
