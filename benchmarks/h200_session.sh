@@ -6,6 +6,9 @@
 #   STEPS="micro profile" ...   kernel microbenchmarks (benchmarks/kernels_*.py) and one-step profiles
 # Writes under $OUT: gpu.txt (GPU and stack), kernels.txt (kernel tests compiled on the GPU), gpu_tests.txt
 # (`-m gpu` tests), batching_*.{txt,json}, micro.txt + kernels_*.json, profile_*.txt and bench.{txt,json}.
+# While helpers edit the working tree, send a committed snapshot instead: here, `echo /.snap/ >>
+# .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap`, then run with carry
+# [".snap"] and `cd .snap && ...`. $OUT returns at most 8 files: write under a scratch folder and tar it.
 set -u
 OUT=${OUT:?set OUT}
 export TOKENIZERS_PARALLELISM=false
