@@ -18,7 +18,7 @@ from engine.graphs import DecodeGraphs
 from engine.kernels import SeqLayout
 from engine.model.model import CausalLM
 from engine.planner import CachePlan
-from engine.sampler import draw_rows, filtered_probs, logprob_entries
+from engine.sampler import filtered_probs, logprob_entries, sample_rows
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
 from engine.speculative import accept_greedy, accept_sampled
@@ -166,18 +166,14 @@ class ModelRunner:
     def _tokens(items: list[ScheduledSeq], emit_rows: list[list[int]], logits: torch.Tensor) -> list[int]:
         """Per logits row, its argmax; for a sampled request without drafts, its draw instead (all rows drawn
         at once on the device). One host read for the whole step."""
-        tokens = logits.argmax(-1)
         rows, seqs, offset = [], [], 0
         for item, emitted in zip(items, emit_rows, strict=True):
             if emitted and not item.seq.params.greedy and not item.drafts:
                 rows.append(offset)
                 seqs.append(item.seq)
             offset += len(emitted)
-        if rows:
-            index = torch.tensor(rows, device=logits.device)
-            generators = [s.generator for s in seqs]
-            tokens[index] = draw_rows(logits[index], [s.params for s in seqs], generators)
-        return tokens.tolist()
+        params, generators = [s.params for s in seqs], [s.generator for s in seqs]
+        return sample_rows(logits, rows, params, generators).tolist()
 
     def _draft(
         self,

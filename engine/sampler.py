@@ -18,20 +18,11 @@ class SampleResult:
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a sampled request draws from: softmax(logits / T) restricted by top-k then top-p.
 
-    logits [..., V] -> probabilities [..., V] (fp32), zero outside the kept support.
+    logits [..., V] -> probabilities [..., V] (fp32), zero outside the kept support. Ties with the k-th
+    logit stay; top-p drops a token once the tokens ranked above it cover top_p (the first always stays).
     """
-    x = logits.float() / params.temperature
-    if 0 < params.top_k < x.shape[-1]:
-        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        # Drop a token when the tokens ranked above it already cover top_p; the first one always stays.
-        drop = probs.cumsum(-1) - probs >= params.top_p
-        drop[..., 0] = False
-        x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
-    return torch.softmax(x, dim=-1)
+    rows = logits.reshape(-1, logits.shape[-1])
+    return batch_filtered_probs(rows, [params] * rows.shape[0]).reshape(logits.shape)
 
 
 def batch_filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -76,9 +67,16 @@ def draw_rows(
     return torch.argmax(probs / race, dim=-1)
 
 
-def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from the filtered distribution of a sampled request: logits [V] -> token id."""
-    return int(draw_rows(logits[None], [params], [generator])[0])
+def sample_rows(
+    logits: torch.Tensor, rows: list[int], params: list[SamplingParams], generators: list[torch.Generator]
+) -> torch.Tensor:
+    """Token ids [N] for logits [N, V]: each row's argmax, except `rows`, which draw from their request's
+    filtered distribution (`params`, `generators`: one per drawn row). Nothing waits on the host."""
+    tokens = torch.argmax(logits, dim=-1)
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        tokens[index] = draw_rows(logits[index], params, generators)
+    return tokens
 
 
 def sample(
@@ -86,13 +84,9 @@ def sample(
 ) -> SampleResult:
     """logits [B, V] fp32, one SamplingParams and generator per row -> tokens and optional logprobs.
     Greedy rows take the argmax; the others draw on the device; the tokens reach the host once."""
-    tokens = torch.argmax(logits, dim=-1)
     rows = [row for row, p in enumerate(params) if not p.greedy]
-    if rows:
-        index = torch.tensor(rows, device=logits.device)
-        drawn = draw_rows(logits[index], [params[r] for r in rows], [generators[r] for r in rows])
-        tokens[index] = drawn
-    token_list = tokens.tolist()
+    drawn = sample_rows(logits, rows, [params[r] for r in rows], [generators[r] for r in rows])
+    token_list = drawn.tolist()
     return SampleResult(token_list, logprob_entries(logits, token_list, [p.logprobs for p in params]))
 
 
