@@ -114,8 +114,7 @@ class DecodeGraphs:
                 return None
         captured.layout.refill_from(self._pad(layout, key))
         t = ids.shape[0]
-        captured.ids[:t].copy_(ids)
-        captured.ids[t:].zero_()
+        captured.ids[:t].copy_(ids)  # padding rows keep stale ids: they touch only the reserved slot, block
         captured.graph.replay()
         self.replays += 1
         return captured.hidden[:t]
