@@ -38,6 +38,19 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
+def quantize_rows(x, fp8_max, eps):
+    """Each row of x [R, C] fp32 (one activation group per row; masked-out elements 0) quantised as
+    `reference.quantize_fp8_per_token_group` does: (q [R, C] fp32 on the e4m3 grid, exactly castable to
+    tl.float8e4nv, and scale [R] fp32 = amax / fp8_max), with x ~= q * scale. For kernels that quantise
+    their activation tiles inline (the FP8 experts) as well as the quantiser below."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)  # [R]
+    # div_rn: Triton's `/` on fp32 is approximate on the GPU; the reference divides exactly.
+    scale = tl.math.div_rn(amax, fp8_max)
+    q = tl.math.div_rn(x, scale[:, None])
+    return _round_to_e4m3(tl.minimum(tl.maximum(q, -fp8_max), fp8_max)), scale
+
+
+@triton.jit
 def _quantize_kernel(
     x,  # [M, K]
     q,  # [M, K] e4m3, contiguous
@@ -62,11 +75,7 @@ def _quantize_kernel(
     b_x = tl.load(x + o_m[:, None] * stride_xm + o_k[None, :] * stride_xk, mask=mask, other=0.0).to(
         tl.float32
     )
-    amax = tl.maximum(tl.max(tl.abs(b_x), axis=1), eps)  # [BLOCK_M]
-    # div_rn: Triton's `/` on fp32 is approximate on the GPU; the reference divides exactly.
-    scale = tl.math.div_rn(amax, fp8_max)
-    b_q = tl.math.div_rn(b_x, scale[:, None])
-    b_q = _round_to_e4m3(tl.minimum(tl.maximum(b_q, -fp8_max), fp8_max))
+    b_q, scale = quantize_rows(b_x, fp8_max, eps)
     tl.store(q + o_m[:, None] * K + o_k[None, :], b_q.to(tl.float8e4nv), mask=mask)
     tl.store(s + o_m * G + i_g, scale, mask=m_m)
 
