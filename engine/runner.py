@@ -69,12 +69,13 @@ class ModelRunner:
         if hidden is None:
             hidden = self.model(ids, layout, self.cache)
         emit_rows = self._emit_rows(items, layout)
+        wanted = self._rows(emit_rows, hidden.shape[0])
         if self.k:
             normed = self.model.final_norm(hidden)
-            logits = self.model.logits(normed[[r for rows in emit_rows for r in rows]])
+            logits = self.model.logits(normed if wanted is None else normed[wanted])
         else:
             normed = None
-            logits = self.model.logits(self.model.final_norm(hidden[[r for rows in emit_rows for r in rows]]))
+            logits = self.model.logits(self.model.final_norm(hidden if wanted is None else hidden[wanted]))
         accepted, generated = self._emit(items, emit_rows, logits, layout)
         if self.k:
             self._draft(items, layout, normed if self.mtp_hidden == "normed" else hidden, accepted)
@@ -102,7 +103,25 @@ class ModelRunner:
             self.cache.block_size,
             tuple(state_out) if verifying else None,
         )
-        return layout, torch.tensor(ids, dtype=torch.long, device=self.device)
+        return layout, self._to_device(ids)
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """An int64 device tensor of `values`, copied without making the host wait for the device: a plain
+        `torch.tensor(values, device=cuda)` synchronises with the stream, so a step would stall its own
+        launches behind the graph it just replayed. The pinned source stays reserved until the copy ran
+        (torch's caching host allocator records the stream)."""
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _rows(self, emit_rows: list[list[int]], num_rows: int) -> torch.Tensor | None:
+        """Index of the flat-batch rows to take logits for, or None when that is every row in order (a
+        decode step): then nothing is indexed."""
+        flat = [r for rows in emit_rows for r in rows]
+        if flat == list(range(num_rows)):
+            return None
+        return self._to_device(flat)
 
     @staticmethod
     def _emit_rows(items: list[ScheduledSeq], layout: SeqLayout) -> list[list[int]]:
@@ -204,16 +223,14 @@ class ModelRunner:
         mtp_layout = SeqLayout(
             layout.query_lens, layout.context_lens, layout.slots, layout.block_tables, layout.block_size
         )
-        h = self.model.mtp_hidden(
-            torch.tensor(next_ids, device=self.device), main_hidden, mtp_layout, self.cache
-        )
+        h = self.model.mtp_hidden(self._to_device(next_ids), main_hidden, mtp_layout, self.cache)
         if not wanting:
             return
         rows = [layout.cu_seqlens[i] + item.num_new - 1 + accepted[i] for i, item in wanting]
         seqs = [item.seq for _, item in wanting]
         counts = [self._draft_count(s) for s in seqs]
         positions = [item.context + item.num_new - 1 + accepted[i] for i, item in wanting]
-        hidden = h[rows]
+        hidden = h[self._to_device(rows)]
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for step in range(max(counts)):
@@ -231,7 +248,7 @@ class ModelRunner:
                 tuple(tuple(s.blocks) for s in seqs),
                 self.cache.block_size,
             )
-            token_ids = torch.tensor(tokens, device=self.device)
+            token_ids = self._to_device(tokens)
             hidden = self.model.mtp_hidden(token_ids, hidden, step_layout, self.cache, step + 1)
         for b, seq in enumerate(seqs):
             seq.draft_ids = drafts[b][: counts[b]]

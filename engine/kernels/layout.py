@@ -112,7 +112,8 @@ class SeqLayout:
             if fresh.shape != tensor.shape:
                 shapes = f"{tuple(fresh.shape)} != {tuple(tensor.shape)}"
                 raise ValueError(f"layout tensor {key!r}: shape {shapes}")
-            tensor.copy_(fresh, non_blocking=True)
+            # From pinned memory the copy is truly asynchronous (a pageable source is staged by the host).
+            tensor.copy_(fresh.pin_memory() if tensor.is_cuda else fresh, non_blocking=True)
 
     def positions(self, device: torch.device | str) -> torch.Tensor:
         """[T] position of each token within its sequence."""
