@@ -1,6 +1,6 @@
 """Benchmark: one Qwen3.5-35B-A3B MoE block (router GEMM to output) on the Triton kernels.
 
-    python benchmarks/kernels_moe.py [--tokens 1,16,64,256,8192] [--json PATH] [--sweep]
+    python benchmarks/kernels_moe.py [--tokens 1,16,64,256,8192] [--json PATH] [--sweep] [--gemv]
 
 Builds one real-shape `SparseMoe` (bf16, seeded random weights; router rows of equal norm and small logits,
 so tokens spread evenly over the experts, as engine.bench does) and for each token count T:
@@ -10,7 +10,9 @@ so tokens spread evenly over the experts, as engine.bench does) and for each tok
   - counts its kernel launches and each kernel's device time (torch.profiler, one eager call);
   - reports GB/s of expert weights touched (distinct routed experts + the shared expert, per call).
 --sweep also times the grouped GEMMs' tile candidates (`SWEEP`) per T <= 256, kernel by kernel, and prints
-the best of each, to tune `engine.kernels.moe.config.choose_config`. Prints a table; --json writes it all.
+the best of each, to tune `engine.kernels.moe.config.choose_config`. --gemv also times the experts alone, the
+grouped GEMMs (align included) against `engine.kernels.moe.gemv`, per T <= 64 (say --tokens 1,2,4,8,16,32,64,
+to find where the grouped GEMMs take over). Prints a table; --json writes it all.
 Without CUDA it runs a tiny fp32 layer under Triton's interpreter, to check that the script works.
 """
 
@@ -35,6 +37,7 @@ if not CUDA:
 from engine.bench.presets import QWEN35_35B_A3B, init_parameter_  # noqa: E402
 from engine.config import config_from_dict  # noqa: E402
 from engine.kernels.moe import config as moe_config  # noqa: E402
+from engine.kernels.moe import gemv as moe_gemv  # noqa: E402
 from engine.kernels.moe import reference  # noqa: E402
 from engine.kernels.moe import triton as moe_triton  # noqa: E402
 from engine.kernels.moe.config import ExpertsConfig, GemmTiles  # noqa: E402
@@ -202,6 +205,33 @@ def sweep(block: SparseMoe, xs: list[torch.Tensor], device: torch.device) -> dic
     return {"candidates": rows, "best_gate_up": best_up, "best_down": best_down}
 
 
+def gemv_compare(block: SparseMoe, xs: list[torch.Tensor], device: torch.device) -> dict:
+    """Device us per call of the experts on the grouped GEMMs and on `moe.gemv` (all their kernels, profiler),
+    on the same routed inputs, and the relative difference of their outputs."""
+    shared = (block.shared_expert.gate_up_proj.weight, block.shared_expert.down_proj.weight)
+    routed = []
+    for x in xs:
+        logits = torch.nn.functional.linear(x, block.router_weight())
+        routed.append((x, *moe_triton.route(logits, block.top_k, block.renormalize, shared=True)))
+    result = {}
+    for name, experts in (("grouped", moe_triton.experts), ("gemv", moe_gemv.experts)):
+
+        def calls(experts=experts):
+            for x, weights, ids in routed:
+                experts(x, block.w13, block.w2, weights, ids, *shared)
+
+        found = profile_kernels(calls, device, calls=len(routed))
+        result[name] = {
+            "us": sum(us for _, us in found.values()),
+            "kernels": {k: us for k, (_, us) in found.items()},
+        }
+    x, weights, ids = routed[0]
+    grouped = moe_triton.experts(x, block.w13, block.w2, weights, ids, *shared).float()
+    gemv = moe_gemv.experts(x, block.w13, block.w2, weights, ids, *shared).float()
+    result["rel_diff"] = ((gemv - grouped).norm() / grouped.norm()).item()
+    return result
+
+
 def run_point(block: SparseMoe, t: int, device: torch.device, dtype: torch.dtype, args) -> dict:
     graph = device.type == "cuda" and t <= 256
     xs = inputs(block, t, GRAPH_CALLS if graph else 1, device, dtype)
@@ -223,6 +253,8 @@ def run_point(block: SparseMoe, t: int, device: torch.device, dtype: torch.dtype
         }
         if args.sweep and device.type == "cuda" and t <= 256:
             point["sweep"] = sweep(block, xs, device)
+        if args.gemv and t <= 64:
+            point["gemv"] = gemv_compare(block, xs, device)
     return point
 
 
@@ -245,6 +277,14 @@ def print_table(points: list[dict], device_name: str) -> None:
             up, down = s["best_gate_up"], s["best_down"]
             print(f"  T={p['tokens']} sweep best gate_up {up['gate_up']}: {up['us']}")
             print(f"  T={p['tokens']} sweep best down {down['down']} split {down['split_k']}: {down['us']}")
+        if "gemv" in p:
+            g, moved = p["gemv"], p["expert_bytes"]
+            times = ", ".join(
+                f"{k} {g[k]['us']:.1f}us ({moved / g[k]['us'] / 1e3:.0f} GB/s)"
+                for k in ("grouped", "gemv")
+                if g[k]["us"]
+            )
+            print(f"  T={p['tokens']} experts: {times or 'no device times'}; rel diff {g['rel_diff']:.1e}")
 
 
 def main() -> None:
@@ -252,6 +292,7 @@ def main() -> None:
     parser.add_argument("--tokens", default=None, help="comma-separated token counts")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--sweep", action="store_true", help="also time the GEMM tile candidates (T <= 256)")
+    parser.add_argument("--gemv", action="store_true", help="also time the experts on moe.gemv (T <= 64)")
     parser.add_argument(
         "--write-config",
         nargs="?",

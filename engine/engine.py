@@ -143,8 +143,8 @@ class Engine:
 
         `device` defaults to CUDA when available, else CPU; `dtype` to bfloat16 on CUDA, else float32.
         `quantization`: None or "none" loads the checkpoint's weights in `dtype` (an FP8 release dequantised);
-        "fp8" runs the dense projections as block-FP8 GEMMs, with an FP8 release's weights as stored and a
-        bf16/fp32 checkpoint's quantised at load (routed experts stay in `dtype` for now).
+        "fp8" runs the dense projections and the routed experts as block-FP8 (W8A8) GEMMs, with an FP8
+        release's weights as stored and a bf16/fp32 checkpoint's quantised at load.
         `options` are the serving settings of `Engine.__init__`: max_num_seqs, max_num_batched_tokens,
         num_speculative_tokens, max_model_len, kv_cache_memory (bytes), gpu_memory_utilization,
         block_size, max_prefixes, mtp_hidden ("normed": the MTP head reads the final-normed hidden
@@ -157,7 +157,7 @@ class Engine:
         config = load_config(path)
         tokenizer = Tokenizer.from_dir(path)
         model = load_model(path, config, device, dtype, quantization)
-        fp8 = ", dense projections in fp8" if quantization else ""
+        fp8 = ", projections and experts in fp8" if quantization else ""
         log.info("loaded %s (%s) on %s as %s%s", path, config.model_type, device, dtype, fp8)
         return cls(model, config, tokenizer, device, dtype, **options)
 

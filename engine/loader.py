@@ -2,7 +2,8 @@
 
 Handles Qwen3.5's separate `in_proj_qkv`/`z`/`b`/`a` and Qwen3-Next's interleaved `in_proj_qkvz`/`in_proj_ba`,
 per-expert (`mlp.experts.{e}.*`) or fused (`mlp.experts.gate_up_proj`) expert tensors, and `mtp.*`.
-With `quantization="fp8"` the dense projections become `Fp8Linear`s (see `fill_fp8`).
+With `quantization="fp8"` the dense projections become `Fp8Linear`s (see `fill_fp8`) and the routed experts
+e4m3 buffers with block scales (see `fill_fp8_experts`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ from engine import kernels
 from engine.checkpoint import CheckpointReader
 from engine.config import ModelConfig
 from engine.errors import CheckpointError, EngineError
-from engine.model.fp8_linear import Fp8Linear, is_fp8_projection, use_fp8_linears_
+from engine.model.fp8_linear import (
+    Fp8Linear,
+    fp8_expert_blocks,
+    is_fp8_projection,
+    quantize_gate_up,
+    use_fp8_experts_,
+    use_fp8_linears_,
+)
 from engine.model.model import CausalLM
 
 log = logging.getLogger(__name__)
@@ -30,11 +38,12 @@ QUANTIZATIONS = ("none", "fp8")
 
 
 def quantization_mode(value: str | None) -> str | None:
-    """None (the checkpoint's weights in the model dtype, FP8 ones dequantised) or "fp8" (FP8 projections)."""
+    """None (the checkpoint's weights in the model dtype, FP8 ones dequantised) or "fp8" (FP8 projections and
+    routed experts)."""
     mode = str(value or "none").strip().lower()
     if mode not in QUANTIZATIONS:
         raise EngineError(
-            f"unknown quantization {value!r} (use fp8 to run the dense projections in FP8, or none)"
+            f"unknown quantization {value!r} (use fp8 to run the projections and experts in FP8, or none)"
         )
     return None if mode == "none" else mode
 
@@ -48,9 +57,9 @@ def load_model(
 ) -> CausalLM:
     """Read the checkpoint at `path` into a `CausalLM` on `device` with floating weights in `dtype`.
 
-    `quantization="fp8"` keeps the dense projections (attention, DeltaNet in/out, shared expert, dense MLP) in
-    128x128 block FP8: an FP8 checkpoint's as stored, a bf16/fp32 checkpoint's quantised here. Routed experts
-    stay in `dtype` (an FP8 checkpoint's dequantised) until a fused FP8 MoE exists.
+    `quantization="fp8"` keeps the dense projections (attention, DeltaNet in/out, shared expert, dense MLP)
+    and the routed experts in 128x128 block FP8: an FP8 checkpoint's as stored, a bf16/fp32 checkpoint's
+    quantised here. Without it, FP8 weights are dequantised to `dtype`.
     """
     mode = quantization_mode(quantization)
     block = config.quantization.block if config.quantization else (128, 128)
@@ -62,11 +71,14 @@ def load_model(
     mapper = _Mapper(reader, config, dtype, block)
     fp8 = mapper.fp8_projections(model) if mode == "fp8" else []
     use_fp8_linears_(model, fp8, block)  # after the cast: Module.to(dtype) would cast e4m3 buffers too
+    experts = fp8_expert_blocks(model) if mode == "fp8" else []
+    use_fp8_experts_(model, experts, block)  # w13, w2: no longer parameters, filled below
     model.to_empty(device=device)
     with torch.no_grad():
         for name, param in model.named_parameters():
             mapper.fill(name, param)
         kinds = Counter(mapper.fill_fp8(name, model.get_submodule(name)) for name in fp8)
+        expert_kinds = Counter(how for name in experts for how in mapper.fill_fp8_experts(name, model))
     model.reset_buffers()
     model.eval()
     if fp8:
@@ -75,6 +87,13 @@ def load_model(
             kinds["stored"],
             kinds["requantised"],
             kinds["quantised"],
+        )
+    if experts:
+        log.info(
+            "fp8 routed experts (checkpoint tensors): %d as stored, %d requantised, %d quantised at load",
+            expert_kinds["stored"],
+            expert_kinds["requantised"],
+            expert_kinds["quantised"],
         )
     unused = reader.unused()
     if unused:
@@ -177,6 +196,74 @@ class _Mapper:
             how = "requantised" if any(fp8) else "quantised"
         module.weight.copy_(weight)
         module.weight_scale_inv.copy_(scale)
+        return how
+
+    def fill_fp8_experts(self, name: str, model: nn.Module) -> list[str]:
+        """Fill the e4m3 experts of SparseMoe `name` (after `use_fp8_experts_`) and their block scales.
+        Returns, per checkpoint tensor read, "stored" (its FP8 blocks as they are), "requantised" or
+        "quantised".
+
+        Per-expert gate_proj and up_proj scales stack into the gate-then-up layout as they are, for any I. A
+        fused FP8 `gate_up_proj` keeps its blocks when bn divides I (Qwen3.5's 512); otherwise one block holds
+        gate and up rows, so it is dequantised and each half quantised again (tiny test configs).
+        """
+        moe = model.get_submodule(name)
+        base = name + ".experts."
+        e, two_i, h = moe.w13.shape
+        i = two_i // 2
+        hows = []
+        if self.reader.has(base + "gate_up_proj"):
+            hows.append(self._fused_gate_up(base + "gate_up_proj", moe.w13, moe.w13_scale_inv))
+        else:
+            for x in range(e):
+                gate = self._fp8_tensor(f"{base}{x}.gate_proj.weight", (i, h), moe.w13.device)
+                up = self._fp8_tensor(f"{base}{x}.up_proj.weight", (i, h), moe.w13.device)
+                moe.w13[x] = torch.cat([gate[0], up[0]])
+                moe.w13_scale_inv[x] = torch.cat([gate[1], up[1]])
+                hows += [gate[2], up[2]]
+        if self.reader.has(base + "down_proj"):
+            stacked = self._fp8_tensor(base + "down_proj", tuple(moe.w2.shape), moe.w2.device, stack=True)
+            moe.w2.copy_(stacked[0])
+            moe.w2_scale_inv.copy_(stacked[1])
+            hows.append(stacked[2])
+        else:
+            for x in range(e):
+                moe.w2[x], moe.w2_scale_inv[x], how = self._fp8_tensor(
+                    f"{base}{x}.down_proj.weight", (h, i), moe.w2.device
+                )
+                hows.append(how)
+        return hows
+
+    def _fp8_tensor(
+        self, name: str, shape: tuple[int, ...], device: torch.device, stack: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, str]:
+        # (e4m3 weight, fp32 block scales, how): FP8 as stored, else quantised on `device` (a stacked [E, ...]
+        # tensor one expert at a time, so the fp32 temporaries stay one expert's size).
+        if self.reader.is_fp8(name):
+            weight, scale = self.reader.get_fp8(name, expected=shape)
+            return weight.to(device), scale.to(device), "stored"
+        full = self.reader.get(name, torch.float32, expected=shape)
+        if not stack:
+            return (*kernels.quantize_block_fp8_weight(full.to(device), self.block), "quantised")
+        parts = [kernels.quantize_block_fp8_weight(w.to(device), self.block) for w in full]
+        return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts]), "quantised"
+
+    def _fused_gate_up(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> str:
+        # experts.gate_up_proj [E, 2I, H] into e4m3 `weight` and gate-then-up `scale` (see fill_fp8_experts).
+        bn = self.block[0]
+        inter = weight.shape[1] // 2
+        if self.reader.is_fp8(name):
+            stored, stored_scale = self.reader.get_fp8(name, expected=tuple(weight.shape))
+            if inter % bn == 0:  # the halves' block rows are the stacked weight's
+                weight.copy_(stored)
+                scale.copy_(stored_scale)
+                return "stored"
+            full = kernels.dequantize_block_fp8(stored, stored_scale, self.block, torch.float32)
+            how = "requantised"
+        else:
+            full, how = self.reader.get(name, torch.float32, expected=tuple(weight.shape)), "quantised"
+        for x in range(weight.shape[0]):
+            weight[x], scale[x] = quantize_gate_up(full[x].to(weight.device), self.block)
         return how
 
     def value(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -82,7 +82,7 @@ def load(
     check_room(param_counts(config), device, dtype)
     model = random_model(config, device, dtype, args.seed)
     if args.quantization == "fp8":
-        log.info("quantised %d dense projections to block FP8", quantize_model_(model))
+        log.info("quantised %d dense projections and the routed experts to block FP8", quantize_model_(model))
     return model, config, raw
 
 
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     model, config, raw = load(args, device, dtype)
     built_s = time.perf_counter() - start
-    counts = param_counts(config)
+    counts = param_counts(config, args.quantization)
     try:
         spread = expert_load(model, seed=args.seed)
     except Exception as exc:  # a kernel failing here should not cost the rest of the run
@@ -201,7 +201,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", type=_sizes, help="batch sizes of (b) (default 16,64,256)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--quantization", choices=("none", "fp8"), default="none", help="fp8: dense projections in block FP8"
+        "--quantization",
+        choices=("none", "fp8"),
+        default="none",
+        help="fp8: dense projections and routed experts in block FP8",
     )
     parser.add_argument("--json", default=str(DEFAULT_JSON), help="write the results here ('' for none)")
     args = parser.parse_args(argv)

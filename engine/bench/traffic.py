@@ -10,6 +10,7 @@ import torch
 
 from engine.cache import block_bytes, slot_bytes
 from engine.config import ModelConfig
+from engine.model.fp8_linear import is_fp8_projection
 from engine.model.model import CausalLM
 
 
@@ -27,12 +28,24 @@ class ParamCounts:
     top_k: int
     hidden: int
     mtp: int
+    fp8_dense: int = 0  # of `dense`, the parameters of projections stored in FP8 (one byte each)
+    fp8_experts: bool = False  # routed experts stored in FP8
 
     def active(self, tokens: float) -> float:
         """Parameters a step over `tokens` tokens must read: dense, lm_head, one embedding row per token,
         and in each MoE layer the experts its tokens touch."""
+        return self.dense + self.lm_head + tokens * self.hidden + self._experts_read(tokens)
+
+    def active_bytes(self, tokens: float, itemsize: int) -> float:
+        """Bytes of the parameters `active(tokens)` counts: FP8 ones take one byte, the rest `itemsize` (the
+        block scales, 1/16384 of an FP8 weight's bytes, are left out)."""
+        experts = self._experts_read(tokens)
+        fp8 = self.fp8_dense + (experts if self.fp8_experts else 0)
+        return (self.active(tokens) - fp8) * itemsize + fp8
+
+    def _experts_read(self, tokens: float) -> float:
         touched = expected_experts(tokens, self.num_experts, self.top_k)
-        return self.dense + self.lm_head + tokens * self.hidden + self.moe_layers * touched * self.expert
+        return self.moe_layers * touched * self.expert
 
     def matmul_params(self) -> float:
         """Parameters each token multiplies (embedding lookup and lm_head excluded), for FLOPs."""
@@ -47,10 +60,18 @@ def expected_experts(tokens: float, num_experts: int, top_k: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-def param_counts(config: ModelConfig) -> ParamCounts:
-    """Count the parameters of `config`'s model, built on the meta device (nothing is allocated)."""
+def param_counts(config: ModelConfig, quantization: str | None = None) -> ParamCounts:
+    """Count the parameters of `config`'s model, built on the meta device (nothing is allocated); with
+    `quantization="fp8"`, the ones stored in FP8 (the dense projections `Fp8Linear` takes, the routed
+    experts)."""
     with torch.device("meta"):
         model = CausalLM(config, num_mtp_layers=config.mtp_num_hidden_layers)
+    fp8 = quantization == "fp8"
+    fp8_dense = sum(
+        m.weight.numel()
+        for n, m in model.named_modules()
+        if fp8 and not n.startswith("mtp.") and is_fp8_projection(n, m)
+    )
     embedding = lm_head = dense = experts = mtp = moe_layers = 0
     for name, p in model.named_parameters():
         n = p.numel()
@@ -79,6 +100,8 @@ def param_counts(config: ModelConfig) -> ParamCounts:
         top_k=config.num_experts_per_tok,
         hidden=config.hidden_size,
         mtp=mtp,
+        fp8_dense=fp8_dense,
+        fp8_experts=fp8 and moe_layers > 0,
     )
 
 
@@ -119,7 +142,7 @@ def step_bytes(
     tokens = seqs * tokens_per_seq
     kv_per_position = block_bytes(config, dtype, 1, 0)
     return StepBytes(
-        weights=counts.active(tokens) * dtype.itemsize,
+        weights=counts.active_bytes(tokens, dtype.itemsize),
         kv=seqs * (context + tokens_per_seq) * kv_per_position,
         state=seqs * (1 + state_writes) * slot_bytes(config, dtype),
     )
@@ -136,7 +159,7 @@ def prefill_bytes(
     per_chunk = min(prompt_len, chunk)
     positions = seqs * (prompt_len + per_chunk * chunks * (chunks - 1) / 2)
     return StepBytes(
-        weights=steps * counts.active(tokens / steps) * dtype.itemsize,
+        weights=steps * counts.active_bytes(tokens / steps, dtype.itemsize),
         kv=positions * block_bytes(config, dtype, 1, 0),
         state=seqs * chunks * 2 * slot_bytes(config, dtype),
     )

@@ -150,7 +150,7 @@ def _documents(b: Bench, n: int, prompt_len: int, new: int) -> dict[str, Any]:
         # Estimate: each step reads the weights its tokens touch; each output token reads its context's KV.
         kv_position = block_bytes(b.config, b.dtype, 1, 0)
         bytes_ = StepBytes(
-            weights=stats.steps * b.counts.active(total / stats.steps) * b.dtype.itemsize,
+            weights=stats.steps * b.counts.active_bytes(total / stats.steps, b.dtype.itemsize),
             kv=(stats.generated_tokens * (prompt_len + new / 2) + stats.prompt_tokens) * kv_position,
             state=(stats.generated_tokens + n) * 2 * slot_bytes(b.config, b.dtype),
         )

@@ -13,6 +13,7 @@ from engine.kernels.fp8 import (
 from engine.kernels.gated_delta import gated_delta_rule
 from engine.kernels.layout import SeqLayout
 from engine.kernels.moe import experts as moe_experts
+from engine.kernels.moe import experts_fp8 as moe_experts_fp8
 from engine.kernels.moe import route as moe_route
 from engine.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
 from engine.kernels.qk_norm_rotary import qk_norm_rotary
@@ -31,6 +32,7 @@ __all__ = [
     "gated_delta_rule",
     "gated_rms_norm",
     "moe_experts",
+    "moe_experts_fp8",
     "moe_route",
     "qk_norm_rotary",
     "quantize_block_fp8_weight",

@@ -1,8 +1,10 @@
-"""Dense projections kept in block FP8 (`quantization="fp8"`): e4m3 weights and one fp32 scale per block.
+"""Dense projections and routed experts kept in block FP8 (`quantization="fp8"`): e4m3 weights and one fp32
+scale per block.
 
 Applied from outside, after the model is built: the loader swaps the `nn.Linear`s named in `FP8_PROJECTIONS`
-for `Fp8Linear`s while the model is still on the meta device, then fills them. Routed experts (stacked
-`w13`/`w2`), the router, gates, `in_proj_ba`, embeddings and `lm_head` keep the model dtype.
+for `Fp8Linear`s and turns each `SparseMoe`'s stacked experts (`w13`/`w2`) into e4m3 buffers with block
+scales (`use_fp8_experts_`) while the model is still on the meta device, then fills them. The router, gates,
+`in_proj_ba`, embeddings and `lm_head` keep the model dtype.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 from torch import nn
 
 from engine import kernels
+from engine.model.moe import SparseMoe
 
 # Suffixes of the module names that become Fp8Linear: attention, DeltaNet, shared expert and dense MLP.
 FP8_PROJECTIONS = (
@@ -75,23 +78,56 @@ def use_fp8_linears_(model: nn.Module, names: list[str], block: tuple[int, int])
         setattr(owner, child, Fp8Linear.like(getattr(owner, child), block))
 
 
+def fp8_expert_blocks(model: nn.Module) -> list[str]:
+    """Names of the `SparseMoe` blocks of `model` whose routed experts are still in the model dtype."""
+    return [n for n, m in model.named_modules() if isinstance(m, SparseMoe) and m.fp8_block is None]
+
+
+def use_fp8_experts_(model: nn.Module, names: list[str], block: tuple[int, int]) -> None:
+    """Turn the routed experts of the `SparseMoe` blocks `names` into empty e4m3 buffers with block scales."""
+    for name in names:
+        model.get_submodule(name).use_fp8_experts_(block)
+
+
+def quantize_gate_up(
+    weight: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise stacked gate and up rows [..., 2I, H] to e4m3, each half on its own block grid.
+
+    Returns:
+        (e4m3 [..., 2I, H], fp32 scales [..., 2 * ceil(I/bn), ceil(H/bk)]): the gate half's row blocks, then
+        the up half's, the layout `moe_experts_fp8` reads; for bn dividing I it is the stacked weight's plain
+        block scale, as an FP8 release's gate_proj and up_proj scales stack.
+    """
+    inter = weight.shape[-2] // 2
+    gate, gate_scale = kernels.quantize_block_fp8_weight(weight[..., :inter, :], block)
+    up, up_scale = kernels.quantize_block_fp8_weight(weight[..., inter:, :], block)
+    return torch.cat([gate, up], dim=-2), torch.cat([gate_scale, up_scale], dim=-2)
+
+
 @torch.no_grad()
-def quantize_model_(model: nn.Module, block: tuple[int, int] = (128, 128)) -> int:
-    """Quantise a built model's dense projections to block FP8 in place; returns how many were converted.
+def quantize_model_(model: nn.Module, block: tuple[int, int] = (128, 128), experts: bool = True) -> int:
+    """Quantise a built model's dense projections, and with `experts` its routed experts, to block FP8 in
+    place; returns how many dense projections were converted.
 
     For models made without a checkpoint (the benchmark's random weights); the loader does the same while
-    reading a checkpoint.
+    reading a checkpoint. Experts are quantised one at a time, so the fp32 temporaries stay small.
     """
-    from engine.kernels.fp8.reference import quantize_block_fp8_weight
-
     names = [n for n, m in model.named_modules() if is_fp8_projection(n, m)]
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent)
         linear = getattr(owner, child)
         fp8 = Fp8Linear.like(linear, block)
-        fp8.weight, fp8.weight_scale_inv = quantize_block_fp8_weight(linear.weight, block)
+        fp8.weight, fp8.weight_scale_inv = kernels.quantize_block_fp8_weight(linear.weight, block)
         if linear.bias is not None:
             fp8.bias.copy_(linear.bias)
         setattr(owner, child, fp8)
+    for name in fp8_expert_blocks(model) if experts else []:
+        moe = model.get_submodule(name)
+        w13, w2 = moe.w13.detach(), moe.w2.detach()
+        moe.use_fp8_experts_(block)
+        for e in range(w13.shape[0]):
+            moe.w13[e], moe.w13_scale_inv[e] = quantize_gate_up(w13[e], block)
+            moe.w2[e], moe.w2_scale_inv[e] = kernels.quantize_block_fp8_weight(w2[e], block)
     return len(names)

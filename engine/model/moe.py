@@ -33,8 +33,8 @@ class SparseMoe(nn.Module):
 
     The shared expert runs as one more expert of the grouped GEMMs (id E, its gate logit one more column of
     the router's GEMM), so the block is router GEMM, routing, and the experts' kernels. With
-    `quantization="fp8"` the shared expert is FP8 (`Fp8Linear`) and runs on its own; the stacked experts stay
-    in the model dtype (an FP8 checkpoint's dequantised at load) until a fused FP8 MoE kernel exists. Modules
+    `quantization="fp8"` the shared expert is FP8 (`Fp8Linear`) and runs on its own, and `use_fp8_experts_`
+    turns the stacked experts into e4m3 buffers with block scales, run by the W8A8 `moe_experts_fp8`. Modules
     with forward hooks run as themselves, unfused (see `_hooked`).
     """
 
@@ -51,10 +51,43 @@ class SparseMoe(nn.Module):
         self.shared_expert = MLP(h, shared) if shared > 0 else None
         self.shared_expert_gate = nn.Linear(h, 1, bias=False) if shared > 0 else None
         self._router: tuple[tuple, torch.Tensor] | None = None  # (source key, [E + 1, H] weight)
+        self.fp8_block: tuple[int, int] | None = None  # set by use_fp8_experts_
+
+    def use_fp8_experts_(self, block: tuple[int, int] = (128, 128)) -> None:
+        """Hold the experts in block FP8 from now on: w13 and w2 become empty e4m3 buffers of the same shapes
+        on the same device, beside fp32 `w13_scale_inv` [E, 2 * ceil(I/bn), ceil(H/bk)] (the gate half's row
+        blocks, then the up half's) and `w2_scale_inv` [E, ceil(H/bn), ceil(I/bk)], for the caller to fill.
+
+        Applied from outside after the model is built (the loader, `fp8_linear.quantize_model_`), after any
+        dtype cast: `Module.to(dtype)` would cast the e4m3 buffers too.
+        """
+        bn, bk = block
+        (e, two_i, h), device = self.w13.shape, self.w13.device
+        i, fp32 = two_i // 2, torch.float32
+        del self.w13, self.w2  # the model-dtype parameters
+        with torch.device(device):
+            self.register_buffer("w13", torch.empty(e, two_i, h, dtype=torch.float8_e4m3fn))
+            self.register_buffer("w13_scale_inv", torch.empty(e, 2 * -(-i // bn), -(-h // bk), dtype=fp32))
+            self.register_buffer("w2", torch.empty(e, h, i, dtype=torch.float8_e4m3fn))
+            self.register_buffer("w2_scale_inv", torch.empty(e, -(-h // bn), -(-i // bk), dtype=fp32))
+        self.fp8_block = block
+
+    def _fp8_experts(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        shared_out: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        w = (self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv)
+        return kernels.moe_experts_fp8(x, *w, weights, ids, self.fp8_block, shared_out, shared_gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is None:
             weights, ids = kernels.moe_route(self.gate(x), self.top_k, self.renormalize)
+            if self.fp8_block is not None:
+                return self._fp8_experts(x, weights, ids)
             return kernels.moe_experts(x, self.w13, self.w2, weights, ids)
         if _hooked(self.gate, self.shared_expert_gate):
             logits = torch.cat([self.gate(x), self.shared_expert_gate(x)], dim=-1)
@@ -64,10 +97,12 @@ class SparseMoe(nn.Module):
         shared = self.shared_expert
         gate_up, down = shared.gate_up_proj, shared.down_proj
         plain = isinstance(gate_up, nn.Linear) and isinstance(down, nn.Linear)
-        if plain and not _hooked(shared, gate_up, down):
+        if plain and self.fp8_block is None and not _hooked(shared, gate_up, down):
             return kernels.moe_experts(x, self.w13, self.w2, weights, ids, gate_up.weight, down.weight)
-        k = self.top_k  # an FP8 shared expert: on its own, added with its slot's weight by the combine
+        k = self.top_k  # an FP8 shared expert, or FP8 experts: on its own, added with its slot's weight
         shared = self.shared_expert(x)
+        if self.fp8_block is not None:
+            return self._fp8_experts(x, weights[:, :k], ids[:, :k], shared, weights[:, k])
         return kernels.moe_experts(
             x, self.w13, self.w2, weights[:, :k], ids[:, :k], shared_out=shared, shared_gate=weights[:, k]
         )

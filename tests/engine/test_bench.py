@@ -72,6 +72,21 @@ def test_full_preset_reads_about_2_95_billion_parameters_per_token():
     assert sixty_four.kv == 64 * 513 * 10 * 2 * 2 * 256 * 2  # 10 attention layers, K and V, 2 heads of 256
 
 
+def test_fp8_counts_one_byte_for_the_projections_and_experts_it_stores():
+    config = preset(FULL)
+    plain, fp8 = bench.param_counts(config), bench.param_counts(config, "fp8")
+    assert plain.fp8_dense == 0 and not plain.fp8_experts
+    assert fp8.active(1) == plain.active(1)  # the same parameters, fewer bytes
+    for tokens in (1, 64):
+        experts = plain.moe_layers * bench.expected_experts(tokens, 256, 8) * plain.expert
+        expected = 2 * plain.active(tokens) - fp8.fp8_dense - experts
+        assert fp8.active_bytes(tokens, 2) == pytest.approx(expected)
+    # At batch 1 the routed experts and the dense projections drop to one byte, the lm_head (1 GB), the
+    # embedding row, router and in_proj_ba do not: 3.5 GB instead of 5.9.
+    assert 0.35 < fp8.active_bytes(1, 2) / plain.active_bytes(1, 2) < 0.75
+    assert fp8.fp8_dense < plain.dense
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 17, 63, 500, 100_000])
 def test_expected_experts_is_top_k_for_one_token_and_bounded(tokens):
     touched = bench.expected_experts(tokens, 256, 8)

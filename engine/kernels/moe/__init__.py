@@ -1,5 +1,6 @@
 """Mixture-of-experts ops: top-k softmax routing (with the shared expert's gate as one more slot), the
-experts' SwiGLU summed over each token's slots, and the expert-sorted pair order the grouped GEMMs use."""
+experts' SwiGLU summed over each token's slots (model-dtype weights, or block-FP8 weights as W8A8), and the
+expert-sorted pair order the grouped GEMMs use."""
 
 import torch
 
@@ -8,6 +9,7 @@ from engine.kernels.moe import reference
 
 dispatch.register("moe_route", torch=reference.route, triton="engine.kernels.moe.triton:route")
 dispatch.register("moe_experts", torch=reference.experts, triton="engine.kernels.moe.triton:experts")
+dispatch.register("moe_experts_fp8", torch=reference.fp8_experts, triton="engine.kernels.moe.fp8:experts")
 dispatch.register(
     "moe_align_block_size",
     torch=reference.align_block_size,
@@ -52,6 +54,40 @@ def experts(
     """
     shared = (shared_w13, shared_w2, shared_out, shared_gate)
     return dispatch.pick("moe_experts", x)(x, w13, w2, weights, ids, *shared)
+
+
+def experts_fp8(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    shared_out: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`experts` with block-FP8 expert weights, as W8A8 (DeepSeek-V3 / vLLM block FP8): x, and the SwiGLU
+    output act (rounded to x's dtype), are quantised to e4m3 per token and per `block[1]` channels, and each
+    K block's e4m3 product is scaled by the token's and the weight block's scales and summed in fp32.
+
+    Args:
+        x: [T, H] tokens (fp16, bf16 or fp32).
+        w13: [E, 2I, H] float8_e4m3fn, stacked gate (first I rows) and up (last I rows) projections.
+        w13_scale: [E, 2 * ceil(I/bn), ceil(H/bk)] fp32 block multipliers: the gate half's row blocks, then
+            the up half's (the stacked block scale of gate_proj and up_proj when bn divides I).
+        w2: [E, H, I] float8_e4m3fn down projections.
+        w2_scale: [E, ceil(H/bn), ceil(I/bk)] fp32.
+        weights, ids: [T, S] routing weights and routed expert ids (no shared-expert slot).
+        block: (bn, bk) rows and columns of a weight scale block; bk is also the activation group.
+        shared_out, shared_gate: [T, H] and [T], the shared expert run elsewhere (FP8 `Fp8Linear`s) and its
+            weight, added as shared_gate * shared_out.
+    Returns:
+        [T, H] in x's dtype.
+    """
+    args = (x, w13, w13_scale, w2, w2_scale, weights, ids, block, shared_out, shared_gate)
+    return dispatch.pick("moe_experts_fp8", x)(*args)
 
 
 def align_block_size(

@@ -1,8 +1,10 @@
-"""Plain-torch MoE: top-k routing, the experts' SwiGLU summed over each token's slots, and the sorted,
-block-padded pair order the grouped GEMMs run over."""
+"""Plain-torch MoE: top-k routing, the experts' SwiGLU summed over each token's slots (model-dtype or
+block-FP8 weights), and the sorted, block-padded pair order the grouped GEMMs run over."""
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels.fp8.reference import dequantize_block_fp8, quantize_fp8_per_token_group
 
 
 def route(
@@ -53,6 +55,50 @@ def experts(
     if shared_out is not None:
         out = out + shared_gate.to(x.dtype)[:, None] * shared_out
     return out
+
+
+def _dequantize_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    # x [N, K] through the w8a8 activation rounding (per token, per `group` channels), back in fp32.
+    q, scale = quantize_fp8_per_token_group(x, group)
+    return q.float() * scale.repeat_interleave(group, dim=-1)[:, : x.shape[-1]]
+
+
+def fp8_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    shared_out: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    # x [T, H]; w13 [E, 2I, H] e4m3 with w13_scale [E, 2 * ceil(I/bn), ceil(H/bk)]: the gate half's row
+    # blocks, then the up half's; w2 [E, H, I] e4m3 with w2_scale [E, ceil(H/bn), ceil(I/bk)]; weights and
+    # ids [T, S] (routed experts only); shared_out [T, H] weighted by shared_gate [T].
+    # W8A8 as `fp8.reference.fp8_block_linear`: x, and act (first rounded to x's dtype, as the kernel stores
+    # it), quantised per token and per bk channels, then multiplied with the dequantised weights in fp32
+    # (equal, up to summation order, to summing each K block's e4m3 product times x_scale * w_scale). Each
+    # slot's output is rounded to x's dtype, the slots summed in fp32 (as the Triton combine), then rounded.
+    bn, bk = block
+    inter = w2.shape[-1]
+    half = -(-inter // bn)  # scale rows of each of the gate and up halves
+    x_deq = _dequantize_activations(x, bk)  # [T, H] fp32
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(ids).tolist():
+        gate = dequantize_block_fp8(w13[e, :inter], w13_scale[e, :half], block, torch.float32)  # [I, H]
+        up = dequantize_block_fp8(w13[e, inter:], w13_scale[e, half:], block, torch.float32)  # [I, H]
+        down = dequantize_block_fp8(w2[e], w2_scale[e], block, torch.float32)  # [H, I]
+        token, which = torch.where(ids == e)
+        xe = x_deq[token]
+        act = (F.silu(xe @ gate.T) * (xe @ up.T)).to(x.dtype)  # [n, I]
+        y = _dequantize_activations(act, bk) @ down.T * weights[token, which, None].float()
+        out.index_add_(0, token, y.to(x.dtype).float())
+    if shared_out is not None:
+        out += shared_gate.float()[:, None] * shared_out.float()
+    return out.to(x.dtype)
 
 
 def align_block_size(

@@ -370,6 +370,10 @@ def experts(
     shapes = x.dim() == ids.dim() == 2 and x.shape[0] > 0 and ids.shape[1] > 0
     if not (same and strides and shapes and x.dtype in _DOT_DTYPES):
         return reference.experts(x, w13, w2, weights, ids, *shared)
+    from engine.kernels.moe import gemv  # imports this module
+
+    if ids.numel() <= gemv.MAX_PAIRS:  # a few tokens: stream each pair's expert rows, no align
+        return gemv.experts(x, w13, w2, weights, ids, *shared)
     top_k = ids.shape[1] - has_weights
     key = table_key(w2.shape[0], x.shape[1], w2.shape[2], top_k, x.dtype)
     config = tuned_config(x.shape[0], key, x.device) or choose_config(

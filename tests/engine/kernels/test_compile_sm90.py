@@ -82,10 +82,14 @@ def test_kernels_compile_for_sm90():
 @dataclass
 class Case:
     name: str
-    module: str  # engine.kernels.<module>.triton
+    module: str  # engine.kernels.<module>.triton, or engine.kernels.<module> when dotted ("moe.gemv")
     kernel: str
     args: dict[str, Any]
     options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def module_name(self) -> str:
+        return f"engine.kernels.{self.module}" + ("" if "." in self.module else ".triton")
 
 
 ANY = 17  # a run-time size with no divisibility
@@ -665,6 +669,125 @@ def _moe_cases() -> list[Case]:
     return cases
 
 
+def _moe_gemv_cases() -> list[Case]:
+    # moe.gemv at decode: bf16 with the shared slot (9), FP8 (block 128, 8 slots), and fp32 (CPU-sized runs);
+    # the default GemvTiles: 1 KB of each weight row per step, 8 act columns / 16 hidden rows per program.
+    cases = []
+    variants = (
+        ("bf16", "bf16", TOP_K + 1, 4, 4),
+        ("bf16", "fp8e4nv", TOP_K, 8, 4),
+        ("fp32", "fp32", TOP_K + 1, 2, 2),
+    )
+    for dt, w_dt, slots, kg_up, kg_down in variants:
+        fp8 = w_dt == "fp8e4nv"
+        bn = 128 if fp8 else 1
+        up_scales = (8 * 16, 16, 1) if fp8 else (0, 0, 0)  # [E, 2 * 4, 16]
+        down_scales = (16 * 4, 4, 1) if fp8 else (0, 0, 0)  # [E, 16, 4]
+        common = dict(
+            ids_ptr="*i64",
+            hidden=HIDDEN,
+            inter=MOE_INTER,
+            shared_inter=MOE_INTER,
+            num_experts=EXPERTS,
+            block_rows=bn,
+            stride_it=slots,
+            stride_is=1,
+            NUM_SLOTS=slots,
+            GROUP=128,
+            BLOCK_C=128,
+            USE_FP8=fp8,
+        )
+        tag = f"{dt} w={w_dt} NUM_SLOTS={slots}"
+        cases.append(
+            Case(
+                f"moe gemv gate_up {tag} KG={kg_up}",
+                "moe.gemv",
+                "_gate_up_kernel",
+                dict(
+                    x_ptr=f"*{dt}",
+                    w13_ptr=f"*{w_dt}",
+                    ws13_ptr=f"*{w_dt}",
+                    scale_ptr="*fp32" if fp8 else f"*{dt}",
+                    act_ptr=f"*{dt}",
+                    scale_rows_up=MOE_INTER // bn,
+                    stride_xt=HIDDEN,
+                    stride_xh=1,
+                    stride_we=2 * MOE_INTER * HIDDEN,
+                    stride_wn=HIDDEN,
+                    stride_wh=1,
+                    stride_sn=HIDDEN,
+                    **dict(zip(("stride_ce", "stride_cn", "stride_ck"), up_scales, strict=True)),
+                    stride_ap=MOE_INTER,
+                    stride_ai=1,
+                    **common,
+                    BLOCK_N=8,
+                    KG=kg_up,
+                ),
+                dict(num_warps=4),
+            )
+        )
+        cases.append(
+            Case(
+                f"moe gemv down {tag} KG={kg_down}",
+                "moe.gemv",
+                "_down_kernel",
+                dict(
+                    act_ptr=f"*{dt}",
+                    weights_ptr="*fp32",
+                    w2_ptr=f"*{w_dt}",
+                    ws2_ptr=f"*{w_dt}",
+                    scale_ptr="*fp32" if fp8 else f"*{dt}",
+                    part_ptr="*fp32",
+                    stride_ap=MOE_INTER,
+                    stride_ai=1,
+                    stride_gt=slots,
+                    stride_gs=1,
+                    stride_we=HIDDEN * MOE_INTER,
+                    stride_wh=MOE_INTER,
+                    stride_wi=1,
+                    stride_sh=MOE_INTER,
+                    **dict(zip(("stride_ce", "stride_cn", "stride_ck"), down_scales, strict=True)),
+                    stride_pp=HIDDEN,
+                    stride_ph=1,
+                    **common,
+                    BLOCK_N=16,
+                    KG=kg_down,
+                ),
+                dict(num_warps=4),
+            )
+        )
+    # Its combine: one fp32 part per slot, with an FP8 shared expert's output (HAS_EXTRA) or without.
+    for slots, extra in ((TOP_K + 1, False), (TOP_K, True)):
+        cases.append(
+            Case(
+                f"moe gemv combine fp32 PARTS=1 HAS_EXTRA={extra}",
+                "moe",
+                "_combine_kernel",
+                dict(
+                    part_ptr="*fp32",
+                    extra_ptr="*bf16",
+                    gate_ptr="*fp32",
+                    out_ptr="*bf16",
+                    hidden=HIDDEN,
+                    stride_ps=0,
+                    stride_pp=HIDDEN,
+                    stride_ph=1,
+                    stride_et=HIDDEN,
+                    stride_eh=1,
+                    stride_g=TOP_K + 1,
+                    stride_ot=HIDDEN,
+                    stride_oh=1,
+                    NUM_SLOTS=slots,
+                    PARTS=1,
+                    HAS_EXTRA=extra,
+                    BLOCK_H=512,
+                ),
+                dict(num_warps=4),
+            )
+        )
+    return cases
+
+
 def _swiglu_cases() -> list[Case]:
     # The shared expert's [T, 2 * 512] gate_up output (an FP8 one, outside the grouped GEMMs).
     return [
@@ -896,6 +1019,91 @@ def _gate_cases() -> list[Case]:
     return cases
 
 
+def _moe_fp8_cases() -> list[Case]:
+    # moe.fp8: the W8A8 grouped GEMMs on e4m3 experts (128 x 128 blocks, BLOCK_K 128), 8 routed slots (the
+    # shared expert runs outside; weights a column slice of [T, 9]); choose_config's three row buckets by x's
+    # dtype (fp32: fewer stages); the down GEMM also split in two (fp32 partial sums). Combine: `_moe_cases`.
+    cases = []
+    configs = {"bf16": ((16, 32, 4), (32, 64, 4), (64, 64, 3)), "fp32": ((16, 32, 3), (64, 64, 2))}
+    for dt, buckets in configs.items():
+        for block_m, block_n, stages in buckets:
+            blocks = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, USE_FP8_DOT=True)
+            launch = dict(num_warps=4, num_stages=stages)
+            tag = f"{dt} BLOCK_M={block_m} BLOCK_N={block_n}"
+            common = dict(
+                sorted_pairs_ptr="*i32",
+                block_experts_ptr="*i32",
+                block_rows_ptr="*i32",
+                hidden=HIDDEN,
+                inter=MOE_INTER,
+                group_n=128,
+                fp8_max=448.0,
+                eps=1e-10,
+                NUM_SLOTS=TOP_K,
+            )
+            cases.append(
+                Case(
+                    f"moe fp8 gate_up {tag}",
+                    "moe.fp8",
+                    "_fp8_gate_up_kernel",
+                    dict(
+                        x_ptr=f"*{dt}",
+                        w13_ptr="*fp8e4nv",
+                        s13_ptr="*fp32",
+                        act_ptr=f"*{dt}",
+                        **common,
+                        half_blocks=MOE_INTER // 128,
+                        stride_xt=HIDDEN,
+                        stride_xh=1,
+                        stride_we=2 * MOE_INTER * HIDDEN,
+                        stride_wn=HIDDEN,
+                        stride_wh=1,
+                        stride_se=(2 * MOE_INTER // 128) * (HIDDEN // 128),
+                        stride_sn=HIDDEN // 128,
+                        stride_sk=1,
+                        stride_ap=MOE_INTER,
+                        stride_ai=1,
+                        **blocks,
+                    ),
+                    launch,
+                )
+            )
+            for split in (1, 2) if block_m == 16 else (1,):
+                part = "fp32" if split > 1 else dt
+                cases.append(
+                    Case(
+                        f"moe fp8 down {tag} SPLIT_K={split}",
+                        "moe.fp8",
+                        "_fp8_down_kernel",
+                        dict(
+                            act_ptr=f"*{dt}",
+                            w2_ptr="*fp8e4nv",
+                            s2_ptr="*fp32",
+                            weights_ptr="*fp32",
+                            part_ptr=f"*{part}",
+                            **common,
+                            stride_ap=MOE_INTER,
+                            stride_ai=1,
+                            stride_we=HIDDEN * MOE_INTER,
+                            stride_wh=MOE_INTER,
+                            stride_wi=1,
+                            stride_se=(HIDDEN // 128) * (MOE_INTER // 128),
+                            stride_sh=MOE_INTER // 128,
+                            stride_sk=1,
+                            stride_gt=TOP_K + 1,
+                            stride_gs=1,
+                            stride_ps=ANY * TOP_K * HIDDEN,
+                            stride_pp=HIDDEN,
+                            stride_ph=1,
+                            SPLIT_K=split,
+                            **blocks,
+                        ),
+                        launch,
+                    )
+                )
+    return cases
+
+
 def _cases() -> list[Case]:
     return [
         *_attention_cases(),
@@ -904,6 +1112,8 @@ def _cases() -> list[Case]:
         *_gate_cases(),
         *_gated_delta_cases(),
         *_moe_cases(),
+        *_moe_gemv_cases(),
+        *_moe_fp8_cases(),
         *_swiglu_cases(),
         *_norm_cases(),
         *_qk_norm_rotary_cases(),
@@ -986,7 +1196,7 @@ def _error(case: Case, fn, e: Exception) -> str:
     rows from that line)."""
     import inspect
 
-    path = f"engine/kernels/{case.module}/triton.py"
+    path = case.module_name.replace(".", "/") + ".py"
     line = getattr(fn, "def_file_line_number", None) or inspect.getsourcelines(fn.fn)[1]
     where = f"{type(e).__name__} in {path}, {case.kernel} (def at line {line})"
     node = getattr(e, "node", None)
@@ -1015,7 +1225,7 @@ def _main(argv: list[str]) -> None:
     for index, case in enumerate(_cases()):
         if index % shards != shard or (filters and not any(f in case.name for f in filters)):
             continue
-        fn = getattr(importlib.import_module(f"engine.kernels.{case.module}.triton"), case.kernel)
+        fn = getattr(importlib.import_module(case.module_name), case.kernel)
         start, error, shared = time.perf_counter(), "", None
         try:
             compiled = _compile(fn, case.args, case.options)
