@@ -43,15 +43,13 @@ from engine.kernels.fp8.triton import quantize_rows
 from engine.kernels.moe import reference
 from engine.kernels.moe.triton import _combine_kernel, _expert
 
-# Pairs (T * S) up to which the dispatcher should prefer this path. Each pair re-reads its expert, where the
-# grouped GEMM reads each distinct expert once: with 256 experts and top-8, T tokens touch about
-# 256 * (1 - (1 - 8/256)^T) distinct ones, so pairs / distinct is 1.07 at T = 2, 1.14 at 4, 1.2 at 7 (63
-# pairs with the shared slot) and 1.4 at 16. Up to 64 pairs (T <= 7 with the shared slot, T <= 8 in FP8,
-# where the shared expert runs outside) at most a fifth of the bytes are duplicates, mostly served from L2
-# (see above), which the align step (~7 us at T = 1) and the grouped GEMM's slower streaming (2.6 TB/s at
-# T = 1) more than pay for. Past it duplicates grow and the grouped GEMM's tiles start to fill: to be
-# confirmed with `benchmarks/kernels_moe.py --gemv`.
-MAX_PAIRS = 64
+# Pairs (T * S) up to which the dispatcher prefers this path. Each pair re-reads its expert, where the
+# grouped GEMM reads each distinct expert once (256 experts, top-8: pairs / distinct experts is 1.07 at T = 2,
+# 1.4 at 16), but it skips the align step and streams better at small T. H200, bf16, whole MoE block, the
+# same routed inputs (`benchmarks/kernels_moe.py --gemv`, 2026-11-30): T = 8 (72 pairs) grouped 112 us,
+# gemv 92; T = 16 (144) 188 against 159; T = 32 (288) 257 against 274; T = 64 344 against 476. So up to
+# T = 16 with the shared slot (T = 18 in FP8, where the shared expert runs outside).
+MAX_PAIRS = 144
 
 _FP8_MAX = tl.constexpr(FP8_MAX)  # globals a kernel reads must be constexprs
 _AMAX_EPS = tl.constexpr(AMAX_EPS)

@@ -21,7 +21,7 @@ from engine.kernels.fp8.reference import (
     quantize_fp8_per_token_group,
 )
 from engine.kernels.moe import fp8 as moe_fp8
-from engine.kernels.moe import reference
+from engine.kernels.moe import gemv, reference
 from engine.kernels.moe.config import ExpertsConfig
 from engine.model.fp8_linear import quantize_gate_up
 from tests.engine.kernels.test_moe_triton import assert_relative, rand
@@ -217,7 +217,8 @@ def test_scale_layout_is_the_stacked_block_scale_when_bn_divides_i():
 
 
 def test_falls_back_to_reference():
-    t, h, i, e, k = 40, 48, 40, 4, 2  # 80 pairs: past gemv.MAX_PAIRS (which takes any block), grouped GEMMs
+    h, i, e, k = 48, 40, 4, 2
+    t = gemv.MAX_PAIRS // k + 1  # past the small-batch path (which takes any block): the grouped GEMMs
     x = rand(t, h, seed=51)
     weights, ids = routing(t, e, k, seed=52)
     w = fp8_weights(e, h, i, (16, 24), seed=53)  # bk 24: not a power of two, no BLOCK_K for it
