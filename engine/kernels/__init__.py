@@ -4,6 +4,7 @@
 from engine.kernels.attention import attention
 from engine.kernels.conv1d import causal_conv1d
 from engine.kernels.deltanet_gate import deltanet_gate
+from engine.kernels.deltanet_step import deltanet_step
 from engine.kernels.fp8 import (
     dequantize_block_fp8,
     fp8_block_linear,
@@ -27,6 +28,7 @@ __all__ = [
     "attention",
     "causal_conv1d",
     "deltanet_gate",
+    "deltanet_step",
     "dequantize_block_fp8",
     "fp8_block_linear",
     "gated_delta_rule",

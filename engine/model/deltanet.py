@@ -29,9 +29,30 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, state: LinearState, layout: SeqLayout) -> torch.Tensor:
-        t = x.shape[0]
         qkv, z = self.in_proj_qkvz(x).split((self.conv_dim, self.value_dim), dim=-1)
         b, a = self.in_proj_ba(x).split((self.num_v_heads, self.num_v_heads), dim=-1)  # column views
+        if layout.long_seqs:
+            out = self._unfused(qkv, z, a, b, state, layout)
+        else:  # decode, MTP verify, short chunks: conv, gates, delta rule and norm in one kernel
+            out = kernels.deltanet_step(
+                qkv,
+                z,
+                a,
+                b,
+                self.conv1d_weight,
+                state.conv,
+                self.A_log,
+                self.dt_bias,
+                state.recurrent,
+                self.norm_weight,
+                self.eps,
+                layout,
+            )
+        return self.out_proj(out)
+
+    def _unfused(self, qkv, z, a, b, state: LinearState, layout: SeqLayout) -> torch.Tensor:
+        """[T, value_dim] gated delta rule output, op by op (layouts with sequences of any length)."""
+        t = qkv.shape[0]
         qkv = kernels.causal_conv1d(qkv, self.conv1d_weight, state.conv, layout)
         q, k, v = qkv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         g, beta = kernels.deltanet_gate(a, b, self.A_log, self.dt_bias)  # [T, Hv] fp32 log decay, [T, Hv]
@@ -47,4 +68,4 @@ class GatedDeltaNet(nn.Module):
         out = kernels.gated_rms_norm(
             out, z.reshape(t, self.num_v_heads, self.head_v_dim), self.norm_weight, self.eps
         )
-        return self.out_proj(out.reshape(t, self.value_dim))
+        return out.reshape(t, self.value_dim)

@@ -338,6 +338,65 @@ def _fp8_cases() -> list[Case]:
     return cases
 
 
+def _deltanet_step_cases() -> list[Case]:
+    # The fused short step: one program per (sequence, value head), 8 warps for the [128, 128] fp32 state;
+    # BT the next power of two of the longest sequence (decode 1, verify 2-8); bf16 (the model) and fp32.
+    cases = []
+    for dt, bt in (("bf16", 1), ("bf16", 2), ("bf16", 4), ("bf16", 8), ("fp32", 4)):
+        cases.append(
+            Case(
+                f"deltanet_step {dt} BT={bt}",
+                "deltanet_step",
+                "_deltanet_step_kernel",
+                dict(
+                    qkv=f"*{dt}",
+                    z=f"*{dt}",
+                    a=f"*{dt}",
+                    b=f"*{dt}",
+                    conv_weight=f"*{dt}",
+                    conv_state=f"*{dt}",
+                    a_log="*fp32",
+                    dt_bias="*fp32",
+                    state="*fp32",
+                    norm_weight=f"*{dt}",
+                    out=f"*{dt}",
+                    seqs="*i32",
+                    dests="*i32",
+                    counters="*i32",
+                    stride_xt=QKVZ,  # column slices of in_proj_qkvz's and in_proj_ba's outputs
+                    stride_zt=QKVZ,
+                    stride_at=2 * LIN_HV,
+                    stride_bt=2 * LIN_HV,
+                    stride_wc=CONV_K,
+                    stride_wk=1,
+                    stride_cs=CONV_DIM * (CONV_K - 1),
+                    stride_cc=CONV_K - 1,
+                    stride_ck=1,
+                    stride_ss=LIN_HV * LIN_D * LIN_D,
+                    stride_sh=LIN_D * LIN_D,
+                    stride_sk=LIN_D,
+                    stride_sv=1,
+                    HV=LIN_HV,
+                    RATIO=LIN_HV // LIN_HK,
+                    KEY_DIM=LIN_HK * LIN_D,
+                    DK=LIN_D,
+                    DV=LIN_D,
+                    scale=LIN_D**-0.5,
+                    eps=1e-6,
+                    K=CONV_K,
+                    BT=bt,
+                    BK=LIN_D,
+                    BV=LIN_D,
+                    BKM1=4,
+                    SHARED_QK=True,
+                    IS_ROUNDED_PRODUCT=dt == "bf16",
+                ),
+                dict(num_warps=8),
+            )
+        )
+    return cases
+
+
 def _gated_delta_cases() -> list[Case]:
     cases = []
     # BV = 32; 4 warps with few (sequence, head) programs, else 1.
@@ -1110,6 +1169,7 @@ def _cases() -> list[Case]:
         *_conv_cases(),
         *_fp8_cases(),
         *_gate_cases(),
+        *_deltanet_step_cases(),
         *_gated_delta_cases(),
         *_moe_cases(),
         *_moe_gemv_cases(),
