@@ -4,8 +4,9 @@ buffers.
 
 A decode step launches a couple of thousand kernels; on the host each costs more than it runs on the GPU.
 A graph replays them in one call. What a replay needs:
-- static inputs: token ids [bucket * q], and the layout's metadata tensors (`SeqLayout.cached`), which the
-  captured layout refills from the step's padded layout (`SeqLayout.refill_from`);
+- static inputs: token ids [bucket * q], and the layout's metadata tensors (`SeqLayout.cached`), packed
+  into one buffer after the warm-up (`SeqLayout.pack`), which the captured layout refills from the step's
+  padded layout with one host-to-device copy (`SeqLayout.refill_from`);
 - launch choices that follow shapes only: the batch is padded to the bucket with sequences that write one
   reserved state slot and one reserved KV block, block tables are padded to a power-of-two width, and the
   split-KV choice follows that width (`SeqLayout.kv_capacity`), not the contexts;
@@ -157,6 +158,7 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             self.model(ids, layout, self.cache)
         torch.cuda.current_stream(self.cache.device).wait_stream(stream)
+        layout.pack(self.cache.device)  # the metadata in one buffer: one host-to-device copy per replay
         torch.cuda.synchronize(self.cache.device)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()

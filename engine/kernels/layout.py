@@ -44,6 +44,7 @@ class SeqLayout:
     kv_capacity: int | None = None
     _tensors: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _builders: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _packed: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not len(self.query_lens) == len(self.context_lens) == len(self.slots):
@@ -104,17 +105,49 @@ class SeqLayout:
             self._builders[(key, device)] = build
         return found
 
+    def pack(self, device: torch.device | str) -> None:
+        """Move every tensor built so far for `device` into one device buffer, as views, beside a host
+        twin (pinned on CUDA), so that `refill_from` fills them all with one transfer. For a CUDA graph's
+        metadata: call it before the capture, so the graph reads the views."""
+        device = torch.device(device)
+        keys = [k for k in self._tensors if k[1] == device]
+        offsets, size = [], 0
+        for k in keys:
+            offsets.append(size)
+            size += -(-self._tensors[k].nbytes // 16) * 16  # 16-byte aligned slices suit every dtype
+        buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        views = {}
+        for k, start in zip(keys, offsets, strict=True):
+            tensor = self._tensors[k].contiguous()
+            view = buffer[start : start + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor)
+            self._tensors[k] = view
+            views[k] = host[start : start + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        done = torch.cuda.Event() if device.type == "cuda" else None  # the last transfer from `host`
+        self._packed[device] = (buffer, host, views, done)
+
     def refill_from(self, other: SeqLayout) -> None:
         """Overwrite, in place, every tensor this layout has built with what `other` builds for the same key
-        (a CUDA graph's captured metadata, for the next step). Shapes must match."""
+        (a CUDA graph's captured metadata, for the next step). Shapes must match. Packed tensors (`pack`) go
+        through their host twin and one copy per device."""
+        for _, _, _, done in self._packed.values():
+            if done is not None:
+                done.synchronize()  # the previous transfer has read the host twin (returns at once if so)
         for (key, device), tensor in self._tensors.items():
             fresh = self._builders[(key, device)](other)
             if fresh.shape != tensor.shape:
                 shapes = f"{tuple(fresh.shape)} != {tuple(tensor.shape)}"
                 raise ValueError(f"layout tensor {key!r}: shape {shapes}")
-            # Pageable: staged by the host, which is idle here anyway (measured on an H200: pinning each
-            # small tensor first made the refill ~100 us slower per step).
-            tensor.copy_(fresh, non_blocking=True)
+            packed = self._packed.get(device)
+            if packed is not None and (key, device) in packed[2]:
+                packed[2][(key, device)].copy_(fresh)
+            else:
+                tensor.copy_(fresh, non_blocking=True)
+        for buffer, host, _, done in self._packed.values():
+            buffer.copy_(host, non_blocking=True)
+            if done is not None:
+                done.record()
 
     def positions(self, device: torch.device | str) -> torch.Tensor:
         """[T] position of each token within its sequence."""

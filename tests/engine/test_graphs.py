@@ -82,6 +82,27 @@ def test_refill_from_rewrites_captured_tensors_in_place():
         captured.refill_from(decode([1, 2, 3]))
 
 
+def test_packed_tensors_refill_through_one_buffer():
+    g = graphs()
+    first, second = decode([5, 9]), decode([30, 2])
+    captured = g._pad(first, g.key(first))
+    before = (captured.positions("cpu").clone(), captured.slot_mapping("cpu").clone())
+    tables = captured.cached("tables", "cpu", lambda lay: torch.tensor(lay.block_tables, dtype=torch.int32))
+    captured.pack("cpu")
+    positions, mapping = captured.positions("cpu"), captured.slot_mapping("cpu")
+    packed = captured.cached("tables", "cpu", lambda lay: torch.zeros(1))  # built already: not rebuilt
+    assert torch.equal(positions, before[0]) and torch.equal(mapping, before[1])
+    assert torch.equal(packed, tables)
+    buffer = captured._packed[torch.device("cpu")][0]
+    assert all(t.untyped_storage().data_ptr() == buffer.data_ptr() for t in (positions, mapping, packed))
+    assert packed.dtype == torch.int32 and positions.dtype == torch.long
+    expected = g._pad(second, g.key(second))
+    captured.refill_from(expected)
+    assert captured.positions("cpu") is positions and positions.tolist() == [30, 2]
+    assert torch.equal(mapping, expected.slot_mapping("cpu"))
+    assert torch.equal(packed, torch.tensor(expected.block_tables, dtype=torch.int32))
+
+
 def test_graphs_stay_off_without_cuda():
     from engine.graphs import graphs_wanted
 
