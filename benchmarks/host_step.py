@@ -5,8 +5,9 @@
 Times each phase of `EngineCore.step` with perf_counter stamps (no extra synchronisation): scheduling,
 building the batch, the graph replay call (metadata refill and launch), the eager tail (final norm, logits,
 sampling launches), the wait for the sampled tokens (the one host read), emitting them, and the scheduler's
-update. Everything after the token read until the next step's launch is time the device sits idle: the
-`idle` column. Prints one table per batch size and writes JSON.
+update. Everything after the token read until the next step's graph is launched is time the device sits
+idle: the `idle` column (emit, update, schedule, batch and the replay call, which refills the metadata).
+Prints one table and writes JSON.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from engine import runner as runner_module
 from engine.bench.device import sync
 from engine.bench.presets import PRESETS
 
-PHASES = ("schedule", "batch", "replay", "tail", "read", "emit", "update")
+PHASES = ("schedule", "batch", "replay", "tail", "sample", "read", "emit", "update")
 
 
 class Stamps:
@@ -68,7 +69,7 @@ def instrument(core, stamps: Stamps) -> None:
         start = time.perf_counter()
         tokens = original(*args, **kwargs)
         if stamps.on:
-            stamps.total["tail"] += time.perf_counter() - start
+            stamps.total["sample"] += time.perf_counter() - start
         return _Read(tokens, stamps)
 
     runner_module.sample_rows = sample_rows
@@ -106,9 +107,10 @@ def measure(b, batch: int, prompt: int, steps: int) -> dict:
     wall = time.perf_counter() - start
     stamps.on = False
     per_step = {p: stamps.total[p] / steps * 1e6 for p in PHASES}
+    per_step["emit"] -= per_step["sample"] + per_step["read"]  # _emit calls both: its own share
     step_us = wall / steps * 1e6
-    # The device is idle from the token read's return to the next replay's launch (decode steps only).
-    idle = per_step["emit"] + per_step["update"] + per_step["schedule"] + per_step["batch"]
+    # The device waits from the token read's return until the next replay is launched (decode steps).
+    idle = sum(per_step[p] for p in ("emit", "update", "schedule", "batch", "replay"))
     replays = core.runner.graphs.replays if core.runner.graphs is not None else 0
     return {"batch": batch, "step_us": step_us, "idle_us": idle, "replays": replays, **per_step}
 
