@@ -18,7 +18,7 @@ from engine.graphs import DecodeGraphs
 from engine.kernels import SeqLayout
 from engine.model.model import CausalLM
 from engine.planner import CachePlan
-from engine.sampler import filtered_probs, logprob_entries, sample_rows
+from engine.sampler import filtered_probs, logprob_entries, sample_rows, to_device
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
 from engine.speculative import accept_greedy, accept_sampled
@@ -107,14 +107,8 @@ class ModelRunner:
         return layout, torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
-        """An int64 device tensor of `values`, copied without making the host wait for the device: a plain
-        `torch.tensor(values, device=cuda)` synchronises with the stream, so a step would stall its own
-        launches behind the graph it just replayed. The pinned source stays reserved until the copy ran
-        (torch's caching host allocator records the stream)."""
-        host = torch.tensor(values, dtype=torch.long)
-        if self.device.type != "cuda":
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
+        """An int64 device tensor of `values`, copied without stalling the host mid-step (`to_device`)."""
+        return to_device(values, torch.long, self.device)
 
     def _rows(self, emit_rows: list[list[int]], num_rows: int) -> torch.Tensor | None:
         """Index of the flat-batch rows to take logits for, or None when that is every row in order (a

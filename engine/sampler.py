@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels import sample_filtered
+from engine.kernels.sampling import reference as sampling_reference
 from engine.sampling import SamplingParams
 
 
@@ -31,25 +33,10 @@ def batch_filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> 
     logits [B, V] -> probabilities [B, V] fp32. One sort of the batch serves top-k and top-p (skipped when
     no row restricts its support); the thresholds are per-row tensors, so nothing waits on the host.
     """
-    device, vocab = logits.device, logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    x = logits.float() / temperature[:, None]
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_p = [p.top_p for p in params]
-    if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p):
-        return torch.softmax(x, dim=-1)
-    sorted_x, order = torch.sort(x, dim=-1, descending=True)
-    # top-k by value, as filtered_probs: ties with the k-th logit stay.
-    k_index = torch.tensor(top_k, device=device)[:, None] - 1
-    sorted_x = sorted_x.masked_fill(sorted_x < sorted_x.gather(-1, k_index), float("-inf"))
-    probs = torch.softmax(sorted_x, dim=-1)
-    # top-p over what top-k kept: drop a token once the ones ranked above it cover top_p (rows at 1.0
-    # keep everything; the first token always stays).
-    p_limit = torch.tensor(top_p, dtype=torch.float32, device=device)[:, None]
-    drop = (probs.cumsum(-1) - probs >= p_limit) & (p_limit < 1.0)
-    drop[:, 0] = False
-    x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
-    return torch.softmax(x, dim=-1)
+    vocab = logits.shape[-1]
+    temperature, top_k, top_p = _row_params(params, logits.device)
+    restrict = any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params)
+    return sampling_reference.filtered_probs(logits, temperature, top_k, top_p, restrict=restrict)
 
 
 def draw_rows(
@@ -58,13 +45,34 @@ def draw_rows(
     """One token per row from its filtered distribution, on the device: logits [B, V] -> ids [B] (int64).
 
     An exponential race (argmax of p / E with E ~ Exp(1)) draws from p exactly; each row's E comes from
-    its request's generator, so a seeded request draws the same tokens alone or in any batch.
+    its request's generator, so a seeded request draws the same tokens alone or in any batch. The filter
+    and the race run in one kernel op (`engine.kernels.sample_filtered`: Triton on CUDA, no sort).
     """
-    probs = batch_filtered_probs(logits, params)
-    race = torch.empty_like(probs)
+    temperature, top_k, top_p = _row_params(params, logits.device)
+    race = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     for row, generator in enumerate(generators):
         race[row].exponential_(generator=generator)
-    return torch.argmax(probs / race, dim=-1)
+    return sample_filtered(logits, temperature, top_k, top_p, race)
+
+
+def _row_params(
+    params: list[SamplingParams], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row temperature [B] fp32, top_k [B] int64 and top_p [B] fp32 on the device."""
+    temperature = to_device([p.temperature for p in params], torch.float32, device)
+    top_k = to_device([p.top_k for p in params], torch.int64, device)
+    top_p = to_device([p.top_p for p in params], torch.float32, device)
+    return temperature, top_k, top_p
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A device tensor of `values` that does not make the host wait: `torch.tensor(values, device=cuda)`
+    synchronises with the stream, which mid-step would stall the host behind the graph it just launched.
+    From pinned memory the copy is asynchronous (torch keeps the pinned block until the copy ran)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def sample_rows(
@@ -74,7 +82,7 @@ def sample_rows(
     filtered distribution (`params`, `generators`: one per drawn row). Nothing waits on the host."""
     tokens = torch.argmax(logits, dim=-1)
     if rows:
-        index = torch.tensor(rows, device=logits.device)
+        index = to_device(rows, torch.long, logits.device)
         tokens[index] = draw_rows(logits[index], params, generators)
     return tokens
 

@@ -19,6 +19,7 @@ from engine.kernels.moe import route as moe_route
 from engine.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
 from engine.kernels.qk_norm_rotary import qk_norm_rotary
 from engine.kernels.rotary import apply_rotary, rotary_cos_sin
+from engine.kernels.sampling import sample_filtered
 from engine.kernels.sigmoid_gate import sigmoid_gate
 
 __all__ = [
@@ -41,5 +42,6 @@ __all__ = [
     "quantize_fp8_per_token_group",
     "rms_norm",
     "rotary_cos_sin",
+    "sample_filtered",
     "sigmoid_gate",
 ]

@@ -861,6 +861,39 @@ def _swiglu_cases() -> list[Case]:
     ]
 
 
+def _sampling_cases() -> list[Case]:
+    # [B, 248320] logits (fp32 from the model, bf16 in the GPU test), top_k int64 (the sampler's) or int32.
+    vocab = 248320
+    return [
+        Case(
+            f"sampling {dt} top_k {kt} CHUNK=4096 CAP=4096",
+            "sampling",
+            "_sample_kernel",
+            dict(
+                logits=f"*{dt}",
+                race="*fp32",
+                temperature="*fp32",
+                top_k=f"*{kt}",
+                top_p="*fp32",
+                out="*i64",
+                scratch="*i32",
+                tile_max="*fp32",
+                V=vocab,
+                stride_lb=vocab,
+                stride_rb=vocab,
+                CHUNK=4096,
+                SUB=1024,
+                CAP=4096,
+                SMALL=256,
+                NB=1024,
+                NPIV=8,
+            ),
+            dict(num_warps=8),
+        )
+        for dt, kt in (("fp32", "i64"), ("bf16", "i32"))
+    ]
+
+
 def _norm_cases() -> list[Case]:
     cases = []
 
@@ -1178,6 +1211,7 @@ def _cases() -> list[Case]:
         *_norm_cases(),
         *_qk_norm_rotary_cases(),
         *_rotary_cases(),
+        *_sampling_cases(),
     ]
 
 
