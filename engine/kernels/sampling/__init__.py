@@ -5,6 +5,11 @@ import torch
 from engine.kernels import dispatch
 from engine.kernels.sampling import reference
 
+# Rows from which the kernel runs under ENCLAVE_KERNELS=auto. H200, V 248,320, fp32 logits, graphed
+# (`benchmarks/kernels_sampling.py`, 2026-11-30): B=1 697-1,140 us against torch's 280-322; B=16 0.7-1.5x
+# torch by request mix; B=64 1.5-3.4x faster; B=256 2.5-5.6x.
+MIN_KERNEL_ROWS = 64
+
 dispatch.register(
     "sample_filtered",
     torch=reference.sample_filtered,
@@ -31,4 +36,7 @@ def sample_filtered(
     Returns:
         ids [B] int64: argmax over the kept tokens of p / race, an exact draw from the filtered p.
     """
-    return dispatch.pick("sample_filtered", logits)(logits, temperature, top_k, top_p, race)
+    sample = dispatch.pick("sample_filtered", logits)
+    if logits.shape[0] < MIN_KERNEL_ROWS and dispatch.backend() == "auto":
+        sample = reference.sample_filtered  # few rows: one program per row is slower than torch's sort
+    return sample(logits, temperature, top_k, top_p, race)
