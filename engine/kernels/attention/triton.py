@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -471,12 +472,13 @@ def _seq_index(layout: SeqLayout, which: str, device) -> tuple[torch.Tensor, tor
         return layout.short_seqs if which == "short" else layout.long_seqs
 
     def tables(layout: SeqLayout) -> torch.Tensor:
-        seqs = pick(layout)
-        width = max(len(layout.block_tables[i]) for i in seqs)
-        return torch.tensor(
-            [list(layout.block_tables[i]) + [0] * (width - len(layout.block_tables[i])) for i in seqs],
-            dtype=torch.int32,
-        )
+        rows = [layout.block_tables[i] for i in pick(layout)]
+        width = max(len(r) for r in rows)
+        if any(len(r) != width for r in rows):
+            rows = [tuple(r) + (0,) * (width - len(r)) for r in rows]
+        # numpy reads nested tuples about 3x faster than torch.tensor (64 x 64 blocks: 75 against 247 us),
+        # and a graph replay rebuilds this every step.
+        return torch.from_numpy(np.array(rows, dtype=np.int32).reshape(len(rows), width))
 
     def info(layout: SeqLayout) -> torch.Tensor:
         seqs = pick(layout)
