@@ -13,6 +13,7 @@ from engine.kernels.fp8 import (
 )
 from engine.kernels.gated_delta import gated_delta_rule
 from engine.kernels.layout import SeqLayout
+from engine.kernels.linear import linear
 from engine.kernels.moe import experts as moe_experts
 from engine.kernels.moe import experts_fp8 as moe_experts_fp8
 from engine.kernels.moe import route as moe_route
@@ -34,6 +35,7 @@ __all__ = [
     "fp8_block_linear",
     "gated_delta_rule",
     "gated_rms_norm",
+    "linear",
     "moe_experts",
     "moe_experts_fp8",
     "moe_route",

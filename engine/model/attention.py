@@ -7,6 +7,7 @@ from engine import kernels
 from engine.cache import PagedKV
 from engine.config import ModelConfig
 from engine.kernels import SeqLayout
+from engine.model.linear import Linear
 from engine.model.norm import RMSNorm
 
 
@@ -21,8 +22,8 @@ class GatedAttention(nn.Module):
         hidden = config.hidden_size
         # [q+gate | k | v] in one projection: q and gate interleaved per head as [q_h (d) | gate_h (d)].
         self.split = (self.num_heads * 2 * d, self.num_kv_heads * d, self.num_kv_heads * d)
-        self.qkv_proj = nn.Linear(hidden, sum(self.split), bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=config.attention_bias)
+        self.qkv_proj = Linear(hidden, sum(self.split), bias=config.attention_bias)
+        self.o_proj = Linear(self.num_heads * d, hidden, bias=config.attention_bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 

@@ -7,6 +7,7 @@ from engine import kernels
 from engine.cache import LinearState
 from engine.config import ModelConfig
 from engine.kernels import SeqLayout
+from engine.model.linear import Linear
 
 # Sequences up to which short steps take the fused kernel (one program per sequence and value head). H200,
 # bf16, one graphed layer without its MoE: batch 1 48.0 us fused against 53.3 us for the separate kernels;
@@ -26,13 +27,13 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim, self.conv_dim = c.linear_key_dim, c.linear_value_dim, c.linear_conv_dim
         self.eps = c.rms_norm_eps
         # [q (all key heads) | k | v (all value heads) | z] and [b | a], each head-major.
-        self.in_proj_qkvz = nn.Linear(c.hidden_size, self.conv_dim + self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(c.hidden_size, 2 * self.num_v_heads, bias=False)
+        self.in_proj_qkvz = Linear(c.hidden_size, self.conv_dim + self.value_dim, bias=False)
+        self.in_proj_ba = Linear(c.hidden_size, 2 * self.num_v_heads, bias=False)
         self.conv1d_weight = nn.Parameter(torch.zeros(self.conv_dim, c.linear_conv_kernel_dim))  # [C, K]
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.norm_weight = nn.Parameter(torch.ones(self.head_v_dim))
-        self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, state: LinearState, layout: SeqLayout) -> torch.Tensor:
         qkv, z = self.in_proj_qkvz(x).split((self.conv_dim, self.value_dim), dim=-1)

@@ -1,7 +1,6 @@
 """Feed-forward blocks: the sparse MoE with a gated shared expert, and the dense SwiGLU MLP."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
@@ -92,7 +91,7 @@ class SparseMoe(nn.Module):
         if _hooked(self.gate, self.shared_expert_gate):
             logits = torch.cat([self.gate(x), self.shared_expert_gate(x)], dim=-1)
         else:
-            logits = F.linear(x, self.router_weight())  # [T, E + 1]: router logits, then the shared gate's
+            logits = kernels.linear(x, self.router_weight())  # [T, E + 1]: router, then shared gate
         weights, ids = kernels.moe_route(logits, self.top_k, self.renormalize, shared=True)  # [T, k + 1]
         shared = self.shared_expert
         gate_up, down = shared.gate_up_proj, shared.down_proj

@@ -1,9 +1,11 @@
 """Triton w8a8 block FP8: per-token-group activation quantisation, then a GEMM on the e4m3 tiles.
 
-`fp8_block_linear` runs two kernels: the quantiser writes x as e4m3 plus one fp32 scale per (token, 128
-channels), and the GEMM walks K one scale block (BLOCK_K = 128) at a time, so each K step is one e4m3
-`tl.dot` scaled by x_scale[m, kb] * w_scale[n // 128, kb] before it joins the fp32 accumulator. Edge blocks
-(N or K not multiples of 128) are masked to zero on both sides.
+Up to `linear.triton.FP8_MAX_ROWS` tokens `fp8_block_linear` runs the weight-streaming kernel of
+`engine.kernels.linear.triton` (x quantised inside it). Larger batches take `fp8_block_gemm`, two kernels:
+the quantiser writes x as e4m3 plus one fp32 scale per (token, 128 channels), and the GEMM walks K one scale
+block (BLOCK_K = 128) at a time, so each K step is one e4m3 `tl.dot` scaled by x_scale[m, kb] *
+w_scale[n // 128, kb] before it joins the fp32 accumulator. Edge blocks (N or K not multiples of 128) are
+masked to zero on both sides.
 """
 
 import functools
@@ -187,6 +189,23 @@ def fp8_block_linear(
     bias: torch.Tensor | None = None,
     block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
+    # Imported here: `linear.triton` imports `quantize_rows` from this module.
+    from engine.kernels.linear import triton as linear_triton
+
+    if linear_triton.fits(x, weight, linear_triton.FP8_MAX_ROWS):  # a few tokens: x quantised inline
+        return linear_triton.fp8_linear(x, weight, weight_scale_inv, bias, block)
+    return fp8_block_gemm(x, weight, weight_scale_inv, bias, block)
+
+
+def fp8_block_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: tuple[int, int] = (128, 128),
+) -> torch.Tensor:
+    """`fp8_block_linear` as the quantiser launch and the tensor-core GEMM, at any token count (larger
+    batches; benchmarks compare the few-token kernel with it)."""
     bn, bk = block
     if bk < 16 or bk & (bk - 1):
         # BLOCK_K is the K scale block and tl.dot needs a power of two >= 16; real checkpoints use 128.

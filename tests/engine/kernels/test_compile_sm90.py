@@ -728,6 +728,92 @@ def _moe_cases() -> list[Case]:
     return cases
 
 
+def _linear_cases() -> list[Case]:
+    # linear.triton at decode (ROWS = M tokens): bf16 in_proj_qkvz (no split), qkv_proj with a bias, out_proj
+    # and in_proj_ba (K split: fp32 partial sums, then the split sum), the FP8 block linear (e4m3 weights,
+    # 128 x 128 scale blocks, FP8_TILES: 32 rows of 256 channels, GROUP 128, KG 2) and fp32; the default
+    # LinearTiles otherwise (8 rows, 1 KB of each row per step, 16-byte groups: GROUP 8 for bf16, 4 for fp32).
+    cases = []
+    variants = (
+        ("bf16", "bf16", 1, QKVZ, HIDDEN, 0, False),
+        ("bf16", "bf16", 4, QKVZ, HIDDEN, 0, False),
+        ("bf16", "bf16", 8, QKVZ, HIDDEN, 0, False),
+        ("bf16", "bf16", 3, 9216, HIDDEN, 0, True),
+        ("bf16", "bf16", 1, HIDDEN, 4096, 1536, False),
+        ("bf16", "bf16", 8, 2 * LIN_HV, HIDDEN, 512, False),
+        ("bf16", "fp8e4nv", 1, QKVZ, HIDDEN, 0, False),
+        ("bf16", "fp8e4nv", 8, QKVZ, HIDDEN, 0, True),
+        ("bf16", "fp8e4nv", 1, HIDDEN, 4096, 2048, False),
+        ("fp32", "fp32", 2, 257, HIDDEN, 512, False),
+    )
+    for dt, w_dt, rows, n, k, k_split, bias in variants:
+        fp8, split = w_dt == "fp8e4nv", k_split > 0
+        elem = {"bf16": 2, "fp8e4nv": 1, "fp32": 4}[w_dt]
+        group = 128 if fp8 else 16 // elem
+        cases.append(
+            Case(
+                f"linear {dt} w={w_dt} ROWS={rows} N={n} K={k} USE_SPLIT={split} HAS_BIAS={bias}",
+                "linear",
+                "_linear_kernel",
+                dict(
+                    x_ptr=f"*{dt}",
+                    w_ptr=f"*{w_dt}",
+                    scale_ptr="*fp32" if fp8 else f"*{dt}",
+                    bias_ptr=f"*{dt}",
+                    out_ptr="*fp32" if split else f"*{dt}",
+                    n_size=n,
+                    k_size=k,
+                    k_split=k_split or k,
+                    block_rows=128 if fp8 else 1,
+                    stride_xm=k,
+                    stride_xk=1,
+                    stride_wn=k,
+                    stride_wk=1,
+                    stride_sn=k // 128 if fp8 else 0,
+                    stride_sk=1 if fp8 else 0,
+                    stride_b=1,
+                    stride_os=rows * n,
+                    stride_om=n,
+                    stride_on=1,
+                    ROWS=rows,
+                    BLOCK_M=1 << (rows - 1).bit_length(),
+                    BLOCK_N=32 if fp8 else 8,
+                    GROUP=group,
+                    BLOCK_C=group,
+                    KG=2 if fp8 else 1024 // elem // group,
+                    HAS_BIAS=bias,
+                    USE_FP8=fp8,
+                    USE_SPLIT=split,
+                ),
+                dict(num_warps=4),
+            )
+        )
+    for dt, bias in (("bf16", False), ("bf16", True), ("fp32", False)):
+        cases.append(
+            Case(
+                f"linear sum splits {dt} HAS_BIAS={bias}",
+                "linear",
+                "_sum_splits_kernel",
+                dict(
+                    part_ptr="*fp32",
+                    bias_ptr=f"*{dt}",
+                    out_ptr=f"*{dt}",
+                    n_size=HIDDEN,
+                    splits=3,
+                    stride_ps=ANY * HIDDEN,
+                    stride_pm=HIDDEN,
+                    stride_b=1,
+                    stride_om=HIDDEN,
+                    stride_on=1,
+                    BLOCK=256,
+                    HAS_BIAS=bias,
+                ),
+                dict(num_warps=4),
+            )
+        )
+    return cases
+
+
 def _moe_gemv_cases() -> list[Case]:
     # moe.gemv at decode: bf16 with the shared slot (9), FP8 (block 128, 8 slots), and fp32 (CPU-sized runs);
     # the default GemvTiles: 1 KB of each weight row per step, 8 act columns / 16 hidden rows per program.
@@ -1205,6 +1291,7 @@ def _cases() -> list[Case]:
         *_deltanet_step_cases(),
         *_gated_delta_cases(),
         *_moe_cases(),
+        *_linear_cases(),
         *_moe_gemv_cases(),
         *_moe_fp8_cases(),
         *_swiglu_cases(),
