@@ -1,7 +1,8 @@
 """Triton w8a8 block FP8: per-token-group activation quantisation, then a GEMM on the e4m3 tiles.
 
-Up to `linear.triton.FP8_MAX_ROWS` tokens `fp8_block_linear` runs the weight-streaming kernel of
-`engine.kernels.linear.triton` (x quantised inside it). Larger batches take `fp8_block_gemm`, two kernels:
+For one token and up to 4096 outputs (`linear.triton.FP8_PREFER_MAX_ROWS`, `FP8_PREFER_MAX_N`: where it
+measured faster) `fp8_block_linear` runs the weight-streaming kernel of `engine.kernels.linear.triton` (x
+quantised inside it). Everything else takes `fp8_block_gemm`, two kernels:
 the quantiser writes x as e4m3 plus one fp32 scale per (token, 128 channels), and the GEMM walks K one scale
 block (BLOCK_K = 128) at a time, so each K step is one e4m3 `tl.dot` scaled by x_scale[m, kb] *
 w_scale[n // 128, kb] before it joins the fp32 accumulator. Edge blocks (N or K not multiples of 128) are
@@ -192,7 +193,8 @@ def fp8_block_linear(
     # Imported here: `linear.triton` imports `quantize_rows` from this module.
     from engine.kernels.linear import triton as linear_triton
 
-    if linear_triton.fits(x, weight, linear_triton.FP8_MAX_ROWS):  # a few tokens: x quantised inline
+    rows = linear_triton.FP8_PREFER_MAX_ROWS
+    if linear_triton.fits(x, weight, rows) and weight.shape[0] <= linear_triton.FP8_PREFER_MAX_N:
         return linear_triton.fp8_linear(x, weight, weight_scale_inv, bias, block)
     return fp8_block_gemm(x, weight, weight_scale_inv, bias, block)
 

@@ -47,7 +47,15 @@ from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX
 from engine.kernels.fp8.triton import quantize_rows
 
 MAX_ROWS = 8  # token rows up to which `linear` takes this kernel
-FP8_MAX_ROWS = MAX_ROWS  # and the FP8 block linear (`fp8.triton.fp8_block_linear`)
+FP8_MAX_ROWS = MAX_ROWS  # and up to which the W8A8 variant (`fp8_linear`) is built for
+# Where the kernel beats the alternative, from an H200 run of `benchmarks/kernels_linear.py` (2026-11-30,
+# L2 flushed before each call, us per call). bf16 against cuBLAS: it wins only for narrow outputs
+# (in_proj_ba, N 64: 2.9 vs 5.0 at M 1, 3.8 vs 5.0 at 4; the router, N 257: 3.6 vs 3.5, 4.3 vs 7.8, 6.1
+# vs 7.6 at 8) and loses from N 2048 up (out_proj 9.8 vs 10.0 at 1 but 16.0 vs 9.9 at 4; in_proj_qkvz 24.7
+# vs 19.1 at 1). FP8 against the quantiser + GEMM: it wins at one row with few N tiles (out_proj 8.8 vs
+# 15.9) and loses on wide outputs (in_proj_qkvz 15.9 vs 14.1) and from 4 rows (out_proj 17.7 vs 16.7).
+PREFER_MAX_N = 512  # `linear` takes the kernel for N up to this
+FP8_PREFER_MAX_ROWS, FP8_PREFER_MAX_N = 1, 4096  # `fp8.triton.fp8_block_linear` takes it within these
 PROGRAMS_PER_SM = 4  # K is split until the grid has about this many programs per SM
 _INTERPRETER_SMS = 4  # CPU tensors (Triton's interpreter): a few programs, so small tests still split K
 _SUM_BLOCK = 256  # outputs per program of the split sum
@@ -268,7 +276,8 @@ def linear(
     *,
     tiles: LinearTiles | None = None,
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`: up to MAX_ROWS rows on `_linear_kernel`, more (or other dtypes) on cuBLAS.
+    """`F.linear(x, weight, bias)`: up to MAX_ROWS rows and PREFER_MAX_N outputs on `_linear_kernel`, the rest
+    (or other dtypes) on cuBLAS.
 
     Args:
         x: [..., K] fp16, bf16 or fp32; weight: [N, K] and bias: optional [N], of x's dtype.
@@ -277,7 +286,7 @@ def linear(
         [..., N] in x's dtype.
     """
     same = weight.dtype == x.dtype and (bias is None or (bias.dtype == x.dtype and bias.dim() == 1))
-    if not (same and fits(x, weight)):
+    if not (same and fits(x, weight) and weight.shape[0] <= PREFER_MAX_N):
         return F.linear(x, weight, bias)
     k, n = x.shape[-1], weight.shape[0]
     out = run_kernel(x.reshape(-1, k), weight, None, bias, None, tiles or LinearTiles())

@@ -171,9 +171,9 @@ def test_fp8_block_linear_small_m_matches_reference(m, n, k, block, dtype, nan_e
     )
 
 
-@pytest.mark.parametrize("m", [1, linear_triton.FP8_MAX_ROWS + 1])
+@pytest.mark.parametrize("m", [1, linear_triton.FP8_PREFER_MAX_ROWS + 1])
 def test_fp8_block_linear_routes_by_rows(m, monkeypatch):
-    # Up to MAX_ROWS rows the weight-streaming kernel, above it the quantiser + GEMM.
+    # Up to FP8_PREFER_MAX_ROWS rows (and N) the weight-streaming kernel, above it the quantiser + GEMM.
     calls = []
     small, gemm = linear_triton.fp8_linear, fp8_triton.fp8_block_gemm
     monkeypatch.setattr(linear_triton, "fp8_linear", lambda *a: calls.append("small") or small(*a))
@@ -181,7 +181,7 @@ def test_fp8_block_linear_routes_by_rows(m, monkeypatch):
     x = fp8_activations(m, 136, torch.float32, seed=2)
     w, scale = fp8_weight(40, 136, (128, 128), seed=3)
     out = fp8_triton.fp8_block_linear(x, w, scale)
-    assert calls == ["small" if m <= linear_triton.FP8_MAX_ROWS else "gemm"]
+    assert calls == ["small" if m <= linear_triton.FP8_PREFER_MAX_ROWS else "gemm"]
     torch.testing.assert_close(out, fp8_reference.fp8_block_linear(x, w, scale), **FP8_TOL[torch.float32])
 
 
@@ -240,3 +240,14 @@ def test_linear_replays_in_cuda_graph_gpu(k, n):
     x.copy_(rand(1, k, seed=3).to(torch.bfloat16))
     graph.replay()
     assert torch.equal(out, linear_triton.linear(x, w))
+
+
+@pytest.mark.parametrize("n", [linear_triton.PREFER_MAX_N, linear_triton.PREFER_MAX_N + 1])
+def test_linear_routes_wide_outputs_to_torch(n, monkeypatch):
+    # The kernel only where it measured faster than cuBLAS: narrow outputs (PREFER_MAX_N).
+    calls = []
+    kernel = linear_triton.run_kernel
+    monkeypatch.setattr(linear_triton, "run_kernel", lambda *a, **kw: calls.append(n) or kernel(*a, **kw))
+    x, w = rand(1, 32, seed=11), rand(n, 32, seed=12)
+    torch.testing.assert_close(linear_triton.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert calls == ([n] if n <= linear_triton.PREFER_MAX_N else [])
