@@ -86,9 +86,11 @@ def test_kill_9_mid_job_then_resume(enclave, tmp_path):
 
 
 def test_cancel_stops_a_job_and_is_recorded(embedded, tmp_path):
-    total = 16
+    # Enough work that the job cannot finish in the seconds between the first result and the cancel (16
+    # documents of 24 tokens once did, on a busy CI machine: "job ... is already completed").
+    total = 64
     job = embedded.submit(
-        str(many_documents(tmp_path / "docs", total)), "--kind", "summarize", "--param", "max_tokens=24"
+        str(many_documents(tmp_path / "docs", total)), "--kind", "summarize", "--param", "max_tokens=48"
     )
     worker = embedded.start_worker()
     assert wait_for(lambda: counts(embedded, job)[0] >= 1)
