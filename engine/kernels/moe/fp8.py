@@ -25,7 +25,7 @@ from engine.kernels.fp8.triton import _has_fp8_dot, quantize_rows
 from engine.kernels.moe import gemv, reference
 from engine.kernels.moe.align import align_block_size
 from engine.kernels.moe.config import ExpertsConfig, GemmTiles, choose_config, table_key, tuned_config
-from engine.kernels.moe.triton import _combine_kernel
+from engine.kernels.moe.triton import combine
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -231,16 +231,7 @@ def fused_experts(
         part.stride(0), part.stride(1), part.stride(2),
         FP8_MAX, AMAX_EPS, SPLIT_K=split, **common, **_launch(config.block_m, tiles),
     )  # fmt: skip
-    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
-    has_extra = shared_out is not None
-    extra, gate = (shared_out, shared_gate) if has_extra else (out, weights[:, 0])  # any pointers do
-    block_h = min(512, triton.next_power_of_2(hidden))
-    _combine_kernel[(t, triton.cdiv(hidden, block_h))](
-        part, extra, gate, out, hidden, part.stride(0), part.stride(1), part.stride(2),
-        extra.stride(0), extra.stride(1), gate.stride(0), out.stride(0), out.stride(1),
-        NUM_SLOTS=slots, PARTS=split, HAS_EXTRA=has_extra, BLOCK_H=block_h, num_warps=4,
-    )  # fmt: skip
-    return out
+    return combine(part, t, slots, x.dtype, shared_out, shared_gate)
 
 
 def choose(num_tokens: int, x: torch.Tensor, w2: torch.Tensor, top_k: int, bk: int) -> ExpertsConfig:

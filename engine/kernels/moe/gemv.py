@@ -7,7 +7,7 @@ M = 1 products are multiply + sum in fp32 on the CUDA cores, which at this size 
 weight bytes they consume:
   1. gate_up, grid (pair, I tile of BLOCK_N):  act[pair] = silu(x[token] . gate rows) * (x[token] . up rows)
   2. down,    grid (pair, H tile of BLOCK_N):  part[pair] = weight[pair] * (act[pair] . w2[e] rows), fp32
-  3. `triton._combine_kernel`:                 out[token] = sum of its slots' parts in slot order (+ an FP8
+  3. `triton.combine`:                         out[token] = sum of its slots' parts in slot order (+ an FP8
      shared expert's shared_gate * shared_out)
 At T = 1 with the real shapes (I 512, H 2048) that is 9 x 64 gate_up and 9 x 128 down programs (several per
 SM of an H200's 132), each loading whole 1 KB runs of weight rows per step (`GemvTiles.k_bytes`): 16 KB per
@@ -41,7 +41,7 @@ import triton.language as tl
 from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX
 from engine.kernels.fp8.triton import quantize_rows
 from engine.kernels.moe import reference
-from engine.kernels.moe.triton import _combine_kernel, _expert
+from engine.kernels.moe.triton import _expert, combine
 
 # Pairs (T * S) up to which the dispatcher prefers this path. Each pair re-reads its expert, where the
 # grouped GEMM reads each distinct expert once (256 experts, top-8: pairs / distinct experts is 1.07 at T = 2,
@@ -288,15 +288,7 @@ def _run(x, w13, w2, weights, ids, shared, scales, block, extra, tiles: GemvTile
         **_scale_strides(scale2), stride_pp=part.stride(0), stride_ph=part.stride(1),
         BLOCK_N=tiles.down_n, **_k_blocks(max(inter, shared_inter), elem, tiles.k_bytes, bk), **common,
     )  # fmt: skip
-    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
-    extra_out, gate = extra if extra is not None else (out, weights[:, 0])  # any pointers do
-    block_h = min(512, triton.next_power_of_2(hidden))
-    _combine_kernel[(t, triton.cdiv(hidden, block_h))](
-        part, extra_out, gate, out, hidden, 0, part.stride(0), part.stride(1),
-        extra_out.stride(0), extra_out.stride(1), gate.stride(0), out.stride(0), out.stride(1),
-        NUM_SLOTS=slots, PARTS=1, HAS_EXTRA=extra is not None, BLOCK_H=block_h, num_warps=4,
-    )  # fmt: skip
-    return out
+    return combine(part[None], t, slots, x.dtype, *(extra or (None, None)))
 
 
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -292,6 +292,29 @@ def _blocks(block_m: int, tiles: GemmTiles) -> dict:
     )
 
 
+def combine(
+    part: torch.Tensor,
+    t: int,
+    slots: int,
+    dtype: torch.dtype,
+    shared_out: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out [T, H] in `dtype` = each token's sum over its slots and the K splits of part [P, T*S, H], in
+    slot order and fp32 (+ shared_gate [T] * shared_out [T, H]): the last launch of every experts path."""
+    parts, _, hidden = part.shape
+    out = torch.empty(t, hidden, dtype=dtype, device=part.device)
+    has_extra = shared_out is not None
+    extra, gate = (shared_out, shared_gate) if has_extra else (out, out[:, 0])  # any pointers do
+    block_h = min(512, triton.next_power_of_2(hidden))
+    _combine_kernel[(t, triton.cdiv(hidden, block_h))](
+        part, extra, gate, out, hidden, part.stride(0), part.stride(1), part.stride(2),
+        extra.stride(0), extra.stride(1), gate.stride(0), out.stride(0), out.stride(1),
+        NUM_SLOTS=slots, PARTS=parts, HAS_EXTRA=has_extra, BLOCK_H=block_h, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 def fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -336,16 +359,7 @@ def fused_experts(
         weights.stride(0), weights.stride(1), part.stride(0), part.stride(1), part.stride(2),
         NUM_SLOTS=slots, SPLIT_K=split, DOT_PRECISION=precision, **_blocks(config.block_m, tiles),
     )  # fmt: skip
-    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
-    has_extra = shared_out is not None
-    extra, gate = (shared_out, shared_gate) if has_extra else (out, weights[:, 0])  # any pointers do
-    block_h = min(512, triton.next_power_of_2(hidden))
-    _combine_kernel[(t, triton.cdiv(hidden, block_h))](
-        part, extra, gate, out, hidden, part.stride(0), part.stride(1), part.stride(2),
-        extra.stride(0), extra.stride(1), gate.stride(0), out.stride(0), out.stride(1),
-        NUM_SLOTS=slots, PARTS=split, HAS_EXTRA=has_extra, BLOCK_H=block_h, num_warps=4,
-    )  # fmt: skip
-    return out
+    return combine(part, t, slots, x.dtype, shared_out, shared_gate)
 
 
 def experts(
