@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
+
+import torch
 
 from engine.allocator import BlockAllocator, SlotAllocator
 from engine.cache import ModelCache
@@ -10,9 +13,15 @@ from engine.graphs import DecodeGraphs, graphs_wanted
 from engine.model.model import CausalLM
 from engine.outputs import EngineStats
 from engine.planner import CachePlan
-from engine.runner import Drafter, ModelRunner
-from engine.scheduler import Scheduler
+from engine.runner import Drafter, Launched, ModelRunner
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+
+
+def async_wanted(device: torch.device) -> bool:
+    """Asynchronous scheduling on CUDA (on the CPU nothing runs beside the host), unless
+    ENCLAVE_ASYNC_SCHEDULING=0."""
+    return device.type == "cuda" and os.environ.get("ENCLAVE_ASYNC_SCHEDULING", "1").strip() != "0"
 
 
 class StepFailed(Exception):
@@ -37,6 +46,7 @@ class EngineCore:
         drafter: Drafter | None = None,
         mtp_hidden: str = "normed",
         cuda_graphs: bool = True,
+        async_scheduling: bool | None = None,
     ) -> None:
         config = model.config
         device = model.inv_freq.device
@@ -62,6 +72,13 @@ class EngineCore:
         self.runner = ModelRunner(
             model, self.cache, plan, num_speculative_tokens, drafter, mtp_hidden, decode_graphs
         )
+        if async_scheduling is None:
+            async_scheduling = async_wanted(device)
+        # Plan and launch step N+1 before reading step N's tokens: the host's work between steps then runs
+        # while the device computes. Not with speculation: drafting needs the tokens at once.
+        self.async_scheduling = bool(async_scheduling) and not num_speculative_tokens and drafter is None
+        self._pending: tuple[SchedulerOutput, Launched] | None = None
+        self.deferred_steps = 0
         self.steps = 0
         self.prompt_tokens = 0
         self.generated_tokens = 0
@@ -76,29 +93,65 @@ class EngineCore:
         self.scheduler.abort(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._pending is not None
 
     def step(self) -> list[Sequence]:
-        """Run one step; return the requests that finished in it."""
+        """Run one step; return the requests that finished in it.
+
+        With asynchronous scheduling a step's tokens are read in the next call, after that call has
+        launched its own step: the requests returned are those whose end was read in this call."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
         try:
-            result = self.runner.execute(out)
+            launched = self.runner.launch(out, defer=self.async_scheduling)
         except Exception as exc:
-            seqs = [item.seq for item in out.scheduled if item.seq.compute_target is None]
-            for item in out.scheduled:
-                self.scheduler.abort(item.seq)
-            raise StepFailed(seqs, exc) from exc
-        finished = self.scheduler.update(out, result.accepted)
+            raise self._failed(out, exc) from exc
+        finished: list[Sequence] = []
+        if launched.deferred:
+            finished += self.scheduler.update(out, [0] * len(out.scheduled))
+            self.deferred_steps += 1
+        if self._pending is not None:  # the previous step's tokens, read while this step runs
+            finished += self._read(*self._pending)
+            self._pending = None
+        if launched.deferred:
+            self._pending = (out, launched)
+        else:
+            try:
+                result = self.runner.finish(launched)
+            except Exception as exc:
+                raise self._failed(out, exc) from exc
+            finished += self.scheduler.update(out, result.accepted)
+            self._count(out, result.accepted, result.num_generated)
         self.steps += 1
+        self.busy_s += time.perf_counter() - start
+        return finished
+
+    def _read(self, out: SchedulerOutput, launched: Launched) -> list[Sequence]:
+        """Read a deferred step's tokens; release and return the requests they ended."""
+        try:
+            result = self.runner.finish(launched)
+        except Exception as exc:
+            raise self._failed(out, exc) from exc
+        self._count(out, result.accepted, result.num_generated)
+        return [
+            item.seq
+            for item, rows in zip(out.scheduled, launched.emit_rows, strict=True)
+            if rows and item.seq.finished and self.scheduler.finish(item.seq)
+        ]
+
+    def _failed(self, out: SchedulerOutput, exc: Exception) -> StepFailed:
+        seqs = [item.seq for item in out.scheduled if item.seq.compute_target is None]
+        for item in out.scheduled:
+            self.scheduler.abort(item.seq)
+        return StepFailed(seqs, exc)
+
+    def _count(self, out: SchedulerOutput, accepted: list[int], generated: int) -> None:
         self.prompt_tokens += sum(
             max(0, min(i.context + i.num_new, len(i.seq.prompt_ids)) - i.context) for i in out.scheduled
         )
-        self.generated_tokens += result.num_generated
+        self.generated_tokens += generated
         self.draft_tokens += sum(len(i.drafts) for i in out.scheduled)
-        self.accepted_tokens += sum(result.accepted)
-        self.busy_s += time.perf_counter() - start
-        return finished
+        self.accepted_tokens += sum(accepted)
 
     def stats(self) -> EngineStats:
         busy = self.busy_s or float("inf")

@@ -68,6 +68,7 @@ class Engine:
         drafter: Drafter | None = None,
         mtp_hidden: str = "normed",
         cuda_graphs: bool = True,
+        async_scheduling: bool | None = None,
     ) -> None:
         if mtp_hidden not in MTP_HIDDEN:
             raise EngineError(f"mtp_hidden must be one of {', '.join(MTP_HIDDEN)}, got {mtp_hidden!r}")
@@ -122,6 +123,7 @@ class Engine:
             drafter=drafter,
             mtp_hidden=mtp_hidden,
             cuda_graphs=cuda_graphs,
+            async_scheduling=async_scheduling,
         )
         self._cond = threading.Condition()
         self._inbox: list[tuple[Sequence, Future]] = []
@@ -149,7 +151,9 @@ class Engine:
         num_speculative_tokens, max_model_len, kv_cache_memory (bytes), gpu_memory_utilization,
         block_size, max_prefixes, mtp_hidden ("normed": the MTP head reads the final-normed hidden
         state, as vLLM feeds it; "raw": before the final norm), cuda_graphs (True: decode and verify
-        steps replay CUDA graphs on CUDA; ENCLAVE_CUDA_GRAPHS=0 also turns them off).
+        steps replay CUDA graphs on CUDA; ENCLAVE_CUDA_GRAPHS=0 also turns them off), async_scheduling
+        (None: on CUDA without speculation, the next step is launched before this step's tokens are read;
+        ENCLAVE_ASYNC_SCHEDULING=0 turns it off; True forces it, on the CPU too).
         """
         device = _device(device)
         dtype = _dtype(dtype, device)

@@ -20,7 +20,7 @@ from engine.model.model import CausalLM
 from engine.planner import CachePlan
 from engine.sampler import filtered_probs, logprob_entries, sample_rows, to_device
 from engine.scheduler import ScheduledSeq, SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import PENDING, Sequence
 from engine.speculative import accept_greedy, accept_sampled
 
 # A test or benchmark may replace the MTP head as drafter: (sequence, how many) -> draft token ids.
@@ -33,6 +33,27 @@ MTP_HIDDEN = ("normed", "raw")
 class StepResult:
     accepted: list[int]  # drafts accepted, per scheduled sequence
     num_generated: int  # tokens appended to sequences
+
+
+@dataclass
+class Launched:
+    """A step whose forward pass and sampling are queued on the device; `finish` reads its tokens.
+
+    `deferred`: its tokens were reserved as placeholders (`Sequence.reserve`) and copied to `host` behind
+    `ready`, so the next step can be planned and launched before the host reads them (asynchronous
+    scheduling); the next step takes them as input ids from `tokens`, device to device."""
+
+    items: list[ScheduledSeq]
+    layout: SeqLayout | None = None
+    emit_rows: list[list[int]] | None = None
+    logits: torch.Tensor | None = None  # [rows, V] fp32
+    tokens: torch.Tensor | None = None  # [rows] int64: each row's argmax or draw (drafts accepted later)
+    hidden: torch.Tensor | None = None  # [T, H] before the final norm, and after it, for the MTP head
+    normed: torch.Tensor | None = None
+    deferred: bool = False
+    host: torch.Tensor | None = None  # pinned copy of `tokens`, complete once `ready` has passed
+    ready: torch.cuda.Event | None = None
+    rows: dict[int, int] | None = None  # id(seq) -> its row in `tokens` (deferred steps)
 
 
 class ModelRunner:
@@ -56,15 +77,25 @@ class ModelRunner:
         self.k = num_speculative_tokens
         self.drafter = drafter
         self.graphs = graphs  # CUDA graphs for decode and verify steps; None runs every step eagerly
+        self._pending: Launched | None = None  # the deferred step whose tokens are not read yet
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run a step and read its tokens."""
+        return self.finish(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, defer: bool = False) -> Launched:
+        """Queue the step's forward pass, logits and sampling on the device, without waiting for them.
+
+        With `defer` (and no speculation, no log-probs asked for), the sampled tokens are reserved as
+        placeholders and copied to pinned memory: `finish` may then run after the next step's launch."""
         self.cache.copy_slots([a for a, _ in out.slot_copies], [b for _, b in out.slot_copies])
         self.cache.copy_blocks([a for a, _ in out.block_copies], [b for _, b in out.block_copies])
         items = out.scheduled
         if not items:
-            return StepResult([], 0)
-        layout, ids = self._batch(items)
+            return Launched(items)
+        layout, ids = self._batch(items, defer)
         hidden = self.graphs.run(layout, ids) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model(ids, layout, self.cache)
@@ -76,18 +107,78 @@ class ModelRunner:
         else:
             normed = None
             logits = self.model.logits(self.model.final_norm(hidden if wanted is None else hidden[wanted]))
-        accepted, generated = self._emit(items, emit_rows, logits, layout)
+        launched = Launched(items, layout, emit_rows, logits, self._tokens(items, emit_rows, logits), hidden)
+        launched.normed = normed
+        if defer and self._deferrable(items):
+            self._defer(launched)
+        return launched
+
+    @torch.inference_mode()
+    def finish(self, launched: Launched) -> StepResult:
+        """Read a launched step's tokens: append them (or resolve its placeholders), verify drafts, draft."""
+        items = launched.items
+        if not items:
+            return StepResult([], 0)
+        if launched.deferred:
+            return self._resolve(launched)
+        accepted, generated = self._emit(launched)
         if self.k:
-            self._draft(items, layout, normed if self.mtp_hidden == "normed" else hidden, accepted)
+            hidden = launched.normed if self.mtp_hidden == "normed" else launched.hidden
+            self._draft(items, launched.layout, hidden, accepted)
         return StepResult(accepted, generated)
 
-    def _batch(self, items: list[ScheduledSeq]) -> tuple[SeqLayout, torch.Tensor]:
+    def _deferrable(self, items: list[ScheduledSeq]) -> bool:
+        """Whether the step's tokens can wait on the device: not with drafts to verify or propose, nor with
+        log-probabilities to compute from its logits."""
+        if self.k or self.drafter is not None:
+            return False
+        return all(item.seq.params.logprobs is None for item in items if item.samples)
+
+    def _defer(self, launched: Launched) -> None:
+        tokens = launched.tokens
+        launched.rows = {}
+        offset = 0
+        for item, rows in zip(launched.items, launched.emit_rows, strict=True):
+            if rows:
+                launched.rows[id(item.seq)] = offset
+                item.seq.reserve()
+            offset += len(rows)
+        if tokens.device.type == "cuda":
+            launched.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            launched.host.copy_(tokens, non_blocking=True)
+            launched.ready = torch.cuda.Event()
+            launched.ready.record()
+        else:
+            launched.host = tokens
+        launched.deferred = True
+        self._pending = launched
+
+    def _resolve(self, launched: Launched) -> StepResult:
+        """Replace a deferred step's placeholders with its tokens (their stop checks run now)."""
+        if launched.ready is not None:
+            launched.ready.synchronize()  # this step's tokens only: later steps keep running
+        if self._pending is launched:
+            self._pending = None
+        tokens = launched.host.tolist()
+        generated = 0
+        for item, rows in zip(launched.items, launched.emit_rows, strict=True):
+            seq = item.seq
+            if rows and not seq.finished and seq.num_pending:  # else it ended on an earlier token
+                seq.resolve(tokens[launched.rows[id(seq)]], None)
+                generated += 1
+        return StepResult([0] * len(launched.items), generated)
+
+    def _batch(self, items: list[ScheduledSeq], defer: bool = False) -> tuple[SeqLayout, torch.Tensor]:
         ids: list[int] = []
         state_out: list[tuple[int, ...]] = []
+        pending: list[tuple[int, int]] = []  # (flat position, row of the deferred step's tokens)
         verifying = 0
         for item in items:
             seq = item.seq
-            ids += seq.token_ids[item.context : item.context + item.num_new]
+            known = seq.token_ids[item.context : item.context + item.num_new]
+            if known and known[-1] == PENDING:
+                pending.append((len(ids) + len(known) - 1, self._pending.rows[id(seq)]))
+            ids += known
             ids += item.drafts
             if item.drafts:
                 base = self.plan.num_slots + verifying * self.k
@@ -103,8 +194,23 @@ class ModelRunner:
             self.cache.block_size,
             tuple(state_out) if verifying else None,
         )
-        # Between steps the device is idle: a plain (synchronising) copy costs less than pinning.
-        return layout, torch.tensor(ids, dtype=torch.long, device=self.device)
+        return layout, self._ids(ids, pending, defer)
+
+    def _ids(self, ids: list[int], pending: list[tuple[int, int]], defer: bool) -> torch.Tensor:
+        """The step's input ids on the device. Placeholders take the previous step's sampled tokens, device
+        to device; with every input a placeholder in row order (a decode step), those tokens are the input."""
+        if not pending:
+            if defer:  # the device may still be busy with the previous step: do not wait for it
+                return self._to_device(ids)
+            # Between steps the device is idle: a plain (synchronising) copy costs less than pinning.
+            return torch.tensor(ids, dtype=torch.long, device=self.device)
+        tokens = self._pending.tokens
+        positions, rows = [p for p, _ in pending], [r for _, r in pending]
+        if positions == list(range(len(ids))) and rows == list(range(tokens.shape[0])):
+            return tokens
+        out = self._to_device([max(t, 0) for t in ids])
+        out[self._to_device(positions)] = tokens[self._to_device(rows)]
+        return out
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """An int64 device tensor of `values`, copied without stalling the host mid-step (`to_device`)."""
@@ -127,20 +233,20 @@ class ModelRunner:
             rows.append(list(range(first, first + 1 + len(item.drafts))) if item.samples else [])
         return rows
 
-    def _emit(
-        self, items: list[ScheduledSeq], emit_rows: list[list[int]], logits: torch.Tensor, layout: SeqLayout
-    ) -> tuple[list[int], int]:
-        argmax = self._tokens(items, emit_rows, logits)
+    def _emit(self, launched: Launched) -> tuple[list[int], int]:
+        items, emit_rows, logits = launched.items, launched.emit_rows, launched.logits
+        layout = launched.layout
+        argmax = launched.tokens.tolist()
         accepted: list[int] = []
         commits: list[tuple[int, int]] = []
         generated = 0
         offset = 0
         for index, (item, rows) in enumerate(zip(items, emit_rows, strict=True)):
-            if not rows:
-                accepted.append(0)
-                continue
             seq, block = item.seq, slice(offset, offset + len(rows))
             offset += len(rows)
+            if not rows or seq.finished:  # finished: its end was read after this step was launched
+                accepted.append(0)
+                continue
             drafts = list(item.drafts)
             if seq.params.greedy:
                 tokens = accept_greedy(argmax[block], drafts)
@@ -177,9 +283,9 @@ class ModelRunner:
         return accepted, generated
 
     @staticmethod
-    def _tokens(items: list[ScheduledSeq], emit_rows: list[list[int]], logits: torch.Tensor) -> list[int]:
+    def _tokens(items: list[ScheduledSeq], emit_rows: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
         """Per logits row, its argmax; for a sampled request without drafts, its draw instead (all rows drawn
-        at once on the device). One host read for the whole step."""
+        at once on the device, nothing read by the host)."""
         rows, seqs, offset = [], [], 0
         for item, emitted in zip(items, emit_rows, strict=True):
             if emitted and not item.seq.params.greedy and not item.drafts:
@@ -187,7 +293,7 @@ class ModelRunner:
                 seqs.append(item.seq)
             offset += len(emitted)
         params, generators = [s.params for s in seqs], [s.generator for s in seqs]
-        return sample_rows(logits, rows, params, generators).tolist()
+        return sample_rows(logits, rows, params, generators)
 
     def _draft(
         self,

@@ -129,6 +129,18 @@ class Scheduler:
         self._free(seq)
         self._release_prefix_user(seq)
 
+    def finish(self, seq: Sequence) -> bool:
+        """Release a request that ended when its tokens were read after its step (asynchronous scheduling):
+        it may still be running, or waiting after a preemption. False if it was no longer held (aborted)."""
+        if seq in self.running:
+            self._finish(seq)
+            return True
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            self._release_prefix_user(seq)
+            return True
+        return False
+
     def _free(self, seq: Sequence) -> None:
         if seq.slot is not None:
             self.slots.free(seq.slot)
@@ -147,6 +159,8 @@ class Scheduler:
                 continue
             if budget <= 0:
                 break
+            if seq.exhausted:  # its last token is still on the device and ends it (asynchronous scheduling)
+                continue
             remaining = seq.target - seq.num_computed
             num_new = min(remaining, budget)
             drafts = tuple(seq.draft_ids[: budget - 1]) if remaining == 1 else ()
@@ -180,6 +194,8 @@ class Scheduler:
                 self._free(seq)
                 self._abandon_prefix(seq.prefix.key, share=False)
                 return False
+            if victim is seq and len(self.running) == 1 and seq.num_pending:
+                return False  # end it once its last token is read, so the output keeps that token
             if victim is seq and len(self.running) == 1:
                 # Alone and still out of room: the cache cannot hold this sequence any longer.
                 log.warning(
@@ -272,7 +288,7 @@ class Scheduler:
             if seq.compute_target is not None and seq.num_computed >= seq.compute_target:
                 self.running.remove(seq)
                 self.prefixes.filled(self.prefixes.entries[seq.prefix.key])
-            elif seq.finished:
+            elif seq.finished and seq in self.running:  # not if its end was already read and released
                 self._finish(seq)
                 finished.append(seq)
         return finished

@@ -12,6 +12,9 @@ from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 
+# Stands in `token_ids` / `output_ids` for a token the device has sampled and the host has not read yet.
+PENDING = -1
+
 
 @dataclass(frozen=True)
 class PrefixSpec:
@@ -30,6 +33,11 @@ class Sequence:
     `token_ids` is prompt + output so far; `num_computed` of them are in the cache (slot `slot`, KV
     blocks `blocks`). A step computes `token_ids[num_computed:]` (or a chunk of it) plus any `draft_ids`
     the MTP head proposed; when it reaches the end, the next token is sampled.
+
+    With asynchronous scheduling the next step is planned before the host reads this step's tokens: each
+    such token is `reserve`d as a PENDING placeholder (counted, so the scheduler plans around it; its value
+    goes from device to device into the next step's input) and later `resolve`d, oldest first, which runs
+    the stop checks. `num_pending` placeholders are always the last tokens.
     """
 
     def __init__(
@@ -67,6 +75,7 @@ class Sequence:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.output_ids: list[int] = []
+        self.num_pending = 0  # trailing PENDING placeholders in token_ids and output_ids
         self.logprobs: list[dict[int, float]] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -92,6 +101,30 @@ class Sequence:
         """Tokens to have in the cache before the next sample (all known tokens, or the prefix fill's)."""
         return self.num_tokens if self.compute_target is None else self.compute_target
 
+    @property
+    def exhausted(self) -> bool:
+        """Its tokens, placeholders included, reach max_tokens or the context: nothing more to compute."""
+        return self.num_tokens >= self.max_model_len or len(self.output_ids) >= (
+            self.params.max_tokens or self.max_model_len
+        )
+
+    def reserve(self) -> None:
+        """Count a token sampled on the device that the host has not read yet: a PENDING placeholder."""
+        self.token_ids.append(PENDING)
+        self.output_ids.append(PENDING)
+        self.num_pending += 1
+
+    def resolve(self, token: int, logprobs: dict[int, float] | None) -> None:
+        """Replace the oldest placeholder with its token and run the stop checks on it. Placeholders after it
+        (tokens of a step already launched) stay, unless this token ends the request: then they are dropped,
+        and their step's tokens are discarded when it is resolved."""
+        later = self.num_pending - 1
+        del self.token_ids[-self.num_pending :], self.output_ids[-self.num_pending :]
+        self.num_pending = 0
+        self.append(token, logprobs)
+        for _ in range(later if not self.finished else 0):
+            self.reserve()
+
     def append(self, token: int, logprobs: dict[int, float] | None) -> None:
         """Record a generated token and decide whether the request is done."""
         if not self.output_ids:
@@ -104,9 +137,7 @@ class Sequence:
             self._finish("stop", token)
         elif self.params.stop_strings and self._hit_stop_string():
             pass
-        elif self.num_tokens >= self.max_model_len or len(self.output_ids) >= (
-            self.params.max_tokens or self.max_model_len
-        ):
+        elif self.exhausted:
             self._finish("length", None)
 
     def force_finish(self, reason: str) -> None:

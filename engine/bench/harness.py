@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engine.bench.device import wall_time
+from engine.bench.device import sync, wall_time
 from engine.bench.settings import BLOCK_SIZE, WARMUP_STEPS, Settings, Sizes
 from engine.bench.traffic import ParamCounts, roofline, step_bytes
 from engine.config import ModelConfig
@@ -35,9 +35,17 @@ class Bench:
     bandwidth: float  # bytes/s
     matmul: float  # FLOP/s
 
-    def core(self, max_num_seqs: int, max_len: int, k: int = 0, drafter: Drafter | None = None) -> EngineCore:
+    def core(
+        self,
+        max_num_seqs: int,
+        max_len: int,
+        k: int = 0,
+        drafter: Drafter | None = None,
+        asynchronous: bool | None = None,
+    ) -> EngineCore:
         """A fresh engine core whose pools fit `max_num_seqs` sequences of `max_len` positions (at most the
-        cache budget); with `k` drafts per step from `drafter`, or from the MTP head when it is None."""
+        cache budget); with `k` drafts per step from `drafter`, or from the MTP head when it is None;
+        asynchronous scheduling as `EngineCore` decides unless `asynchronous` says."""
         # The core gives the MTP head its KV cache whenever k > 0, even when a drafter stands in for it.
         num_mtp = len(self.model.mtp.layers) if self.model.mtp is not None and k else 0
         plan = plan_cache(
@@ -59,6 +67,7 @@ class Bench:
             num_speculative_tokens=k,
             max_prefixes=0,
             drafter=drafter,
+            async_scheduling=asynchronous,
         )
 
     def prompts(self, n: int, length: int) -> list[list[int]]:
@@ -94,34 +103,42 @@ class Bench:
         return spent, steps, True
 
     def decode(self, core: EngineCore, seqs: list[Sequence], steps: int, deadline: float) -> dict[str, Any]:
-        """WARMUP_STEPS untimed decode steps, then up to `steps` timed ones."""
-        times: list[float] = []
-        contexts: list[float] = []
-        tokens = batch = warmup = 0
-        for i in range(WARMUP_STEPS + steps):
-            live = [s for s in seqs if not s.finished]
-            if not live or time.perf_counter() > deadline:
-                break
-            context = statistics.fmean(s.num_computed for s in live)
-            before = core.generated_tokens
-            seconds = self.step(core)
-            warmup += i < WARMUP_STEPS
-            if i >= WARMUP_STEPS:
-                times.append(seconds)
-                contexts.append(context)
-                tokens += core.generated_tokens - before
-                batch = max(batch, len(live))
-        spent = sum(times)
+        """WARMUP_STEPS untimed decode steps, then up to `steps` steps timed as one run: the device is
+        synchronised before the first and after the last only, so that with asynchronous scheduling the
+        host's work between steps overlaps the device's, as when serving. ms_per_step is the run's mean.
+        Tokens are counted when read; with asynchronous scheduling the run reads the tokens of the step
+        before its first and not those of its last, the same count at a steady batch."""
+        warmup = 0
+        while warmup < WARMUP_STEPS and not all(s.finished for s in seqs) and time.perf_counter() < deadline:
+            core.step()
+            warmup += 1
+        live = [s for s in seqs if not s.finished]
+        batch = len(live)
+        context = statistics.fmean(s.num_computed for s in live) if live else None
+        sync(self.device)
+        start, before, done = time.perf_counter(), core.generated_tokens, 0
+        while done < steps and live and time.perf_counter() < deadline:
+            core.step()
+            done += 1
+            if done % 16 == 0:  # checking every sequence each step would add host time at large batches
+                live = [s for s in live if not s.finished]
+        sync(self.device)
+        spent = time.perf_counter() - start if done else 0.0
+        tokens = core.generated_tokens - before
+        ended = [s.num_computed for s in seqs if not s.finished]
+        if context is not None and ended:
+            context = (context + statistics.fmean(ended)) / 2
         return {
-            "decode_steps": len(times),
+            "decode_steps": done,
             "warmup_steps": warmup,
             "decode_s": spent,
-            "ms_per_step": 1e3 * statistics.median(times) if times else None,
+            "ms_per_step": 1e3 * spent / done if done else None,
             "tokens_per_s": tokens / spent if spent else None,
             "decode_tokens": tokens,
-            "batch": batch,
-            "mean_context": statistics.fmean(contexts) if contexts else None,
-            "capped": len(times) < steps,
+            "batch": batch if done else 0,
+            "mean_context": context,
+            "capped": done < steps,
+            "async_scheduling": core.async_scheduling,
         }
 
     def warm_up(self, prompt_len: int) -> None:

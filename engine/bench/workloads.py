@@ -212,7 +212,8 @@ def mtp_verify(b: Bench) -> list[dict[str, Any]]:
         deadline = b.deadline()
         max_tokens = (k + 1) * (WARMUP_STEPS + s.verify_steps + 2)
         max_len = s.verify_prompt + max_tokens + 2 * k + 8
-        core = b.core(1, max_len, k, drafter)
+        # Synchronous like the verify steps (speculation needs the tokens at once): a step against a step.
+        core = b.core(1, max_len, k, drafter, asynchronous=False)
         seqs = b.add(core, 1, s.verify_prompt, max_tokens, max_len)
         _, _, done = b.prefill(core, seqs, deadline)
         if not done:
