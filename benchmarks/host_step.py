@@ -3,10 +3,12 @@
     python benchmarks/host_step.py [--preset qwen3.5-35b-a3b|tiny] [--batches 1,64] [--steps 50] [--out F]
 
 Times each phase of `EngineCore.step` with perf_counter stamps (no extra synchronisation): scheduling,
-building the batch, the graph replay call (metadata refill and launch), the eager tail (final norm, logits,
+building the batch (`build`), the graph replay call (metadata refill and launch), the eager tail (final norm, logits,
 sampling launches), the wait for the sampled tokens (the one host read), emitting them, and the scheduler's
-update. Everything after the token read until the next step's graph is launched is time the device sits
-idle: the `idle` column (emit, update, schedule, batch and the replay call, which refills the metadata).
+update, all with synchronous scheduling. Everything after the token read until the next step's graph is
+launched is time the device sits idle: the `idle` column (emit, update, schedule, batch and the replay call,
+which refills the metadata). `async_step_us` is the step time with asynchronous scheduling, which runs
+that host work while the device computes the step before.
 Prints one table and writes JSON.
 """
 
@@ -28,7 +30,7 @@ from engine import runner as runner_module
 from engine.bench.device import sync
 from engine.bench.presets import PRESETS
 
-PHASES = ("schedule", "batch", "replay", "tail", "sample", "read", "emit", "update")
+PHASES = ("schedule", "build", "replay", "tail", "sample", "read", "emit", "update")
 
 
 class Stamps:
@@ -52,11 +54,12 @@ class Stamps:
         setattr(owner, name, timed)
 
 
-def instrument(core, stamps: Stamps) -> None:
+def instrument(core, stamps: Stamps):
+    """Wrap the phases in timers; returns the sampler to put back afterwards."""
     runner = core.runner
     stamps.wrap(core.scheduler, "schedule", "schedule")
     stamps.wrap(core.scheduler, "update", "update")
-    stamps.wrap(runner, "_batch", "batch")
+    stamps.wrap(runner, "_batch", "build")
     if runner.graphs is not None:
         stamps.wrap(runner.graphs, "run", "replay")
     stamps.wrap(runner, "_emit", "emit")
@@ -73,6 +76,7 @@ def instrument(core, stamps: Stamps) -> None:
         return _Read(tokens, stamps)
 
     runner_module.sample_rows = sample_rows
+    return original
 
 
 class _Read:
@@ -89,15 +93,24 @@ class _Read:
         return out
 
 
-def measure(b, batch: int, prompt: int, steps: int) -> dict:
-    core = b.core(batch, prompt + steps + 64)
+def measure(b, batch: int, prompt: int, steps: int, asynchronous: bool = False) -> dict:
+    """Phases of synchronous steps; with `asynchronous`, the step time alone (the next step is launched
+    before the host reads this one's tokens, so the phases overlap the device and are not stamped)."""
+    core = b.core(batch, prompt + steps + 64, asynchronous=asynchronous)
     seqs = b.add(core, batch, prompt, steps + 32, prompt + steps + 64)
     while any(not s.output_ids for s in seqs):
         core.step()
     for _ in range(4):  # graphs captured, caches warm
         core.step()
+    if asynchronous:
+        sync(b.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        sync(b.device)
+        return {"async_step_us": (time.perf_counter() - start) / steps * 1e6}
     stamps = Stamps()
-    instrument(core, stamps)
+    original = instrument(core, stamps)
     sync(b.device)
     stamps.on = True
     start = time.perf_counter()
@@ -106,11 +119,12 @@ def measure(b, batch: int, prompt: int, steps: int) -> dict:
     sync(b.device)
     wall = time.perf_counter() - start
     stamps.on = False
+    runner_module.sample_rows = original
     per_step = {p: stamps.total[p] / steps * 1e6 for p in PHASES}
     per_step["emit"] -= per_step["sample"] + per_step["read"]  # _emit calls both: its own share
     step_us = wall / steps * 1e6
     # The device waits from the token read's return until the next replay is launched (decode steps).
-    idle = sum(per_step[p] for p in ("emit", "update", "schedule", "batch", "replay"))
+    idle = sum(per_step[p] for p in ("emit", "update", "schedule", "build", "replay"))
     replays = core.runner.graphs.replays if core.runner.graphs is not None else 0
     return {"batch": batch, "step_us": step_us, "idle_us": idle, "replays": replays, **per_step}
 
@@ -129,8 +143,9 @@ def main() -> None:
     rows = []
     with torch.inference_mode():
         for batch in (int(x) for x in args.batches.split(",")):
-            rows.append(measure(b, batch, prompt, args.steps))
-    cols = ("batch", "step_us", "idle_us", *PHASES)
+            row = measure(b, batch, prompt, args.steps)
+            rows.append(row | measure(b, batch, prompt, args.steps, asynchronous=True))
+    cols = ("batch", "step_us", "async_step_us", "idle_us", *PHASES)
     print(" | ".join(f"{c:>9}" for c in cols))
     for row in rows:
         print(" | ".join(f"{row[c]:>9.0f}" if isinstance(row[c], float) else f"{row[c]:>9}" for c in cols))
