@@ -1,6 +1,6 @@
 """Benchmark: one Qwen3.5-35B-A3B MoE block (router GEMM to output) on the Triton kernels.
 
-    python benchmarks/kernels_moe.py [--tokens 1,16,64,256,8192] [--json PATH] [--sweep] [--gemv]
+    python benchmarks/kernels_moe.py [--tokens 1,16,64,256] [--json PATH] [--sweep] [--gemv] [--gemv-sweep]
 
 Builds one real-shape `SparseMoe` (bf16, seeded random weights; router rows of equal norm and small logits,
 so tokens spread evenly over the experts, as engine.bench does) and for each token count T:
@@ -12,7 +12,8 @@ so tokens spread evenly over the experts, as engine.bench does) and for each tok
 --sweep also times the grouped GEMMs' tile candidates (`SWEEP`) per T <= 256, kernel by kernel, and prints
 the best of each, to tune `engine.kernels.moe.config.choose_config`. --gemv also times the experts alone, the
 grouped GEMMs (align included) against `engine.kernels.moe.gemv`, per T <= 64 (say --tokens 1,2,4,8,16,32,64,
-to find where the grouped GEMMs take over). Prints a table; --json writes it all.
+to find where the grouped GEMMs take over). --gemv-sweep times `moe.gemv`'s tile candidates per T <= 16,
+gate_up and down kernels apart. Prints a table; --json writes it all.
 Without CUDA it runs a tiny fp32 layer under Triton's interpreter, to check that the script works.
 """
 
@@ -232,6 +233,37 @@ def gemv_compare(block: SparseMoe, xs: list[torch.Tensor], device: torch.device)
     return result
 
 
+def gemv_sweep(block: SparseMoe, xs: list[torch.Tensor], device: torch.device) -> dict:
+    """Device us per call of `moe.gemv`'s gate_up and down kernels for each tile candidate (profiler, routed
+    inputs); the best of each kernel, to set `GemvTiles`' defaults."""
+    shared = (block.shared_expert.gate_up_proj.weight, block.shared_expert.down_proj.weight)
+    routed = []
+    for x in xs:
+        logits = torch.nn.functional.linear(x, block.router_weight())
+        routed.append((x, *moe_triton.route(logits, block.top_k, block.renormalize, shared=True)))
+    rows = []
+    for up_n, down_n in ((4, 8), (8, 16), (16, 32), (32, 64)):
+        for k_bytes in (512, 1024, 2048):
+            for warps in (2, 4, 8):
+                tiles = moe_gemv.GemvTiles(up_n, down_n, k_bytes, warps)
+
+                def calls(tiles=tiles):
+                    for x, weights, ids in routed:
+                        moe_gemv.experts(x, block.w13, block.w2, weights, ids, *shared, tiles=tiles)
+
+                try:
+                    found = profile_kernels(calls, device, calls=len(routed))
+                except Exception as e:  # a candidate that does not compile is skipped
+                    print(f"  skip {tiles}: {type(e).__name__}", flush=True)
+                    continue
+                us = {k: sum(v[1] for name, v in found.items() if k in name) for k in ("gate_up", "down")}
+                rows.append({"tiles": vars(tiles), "us": us})
+    best_up = min(rows, key=lambda r: r["us"]["gate_up"])
+    best_down = min(rows, key=lambda r: r["us"]["down"])
+    default = next((r for r in rows if r["tiles"] == vars(moe_gemv.GemvTiles())), None)
+    return {"candidates": rows, "best_gate_up": best_up, "best_down": best_down, "default": default}
+
+
 def run_point(block: SparseMoe, t: int, device: torch.device, dtype: torch.dtype, args) -> dict:
     graph = device.type == "cuda" and t <= 256
     xs = inputs(block, t, GRAPH_CALLS if graph else 1, device, dtype)
@@ -255,6 +287,8 @@ def run_point(block: SparseMoe, t: int, device: torch.device, dtype: torch.dtype
             point["sweep"] = sweep(block, xs, device)
         if args.gemv and t <= 64:
             point["gemv"] = gemv_compare(block, xs, device)
+        if args.gemv_sweep and device.type == "cuda" and t <= 16:
+            point["gemv_sweep"] = gemv_sweep(block, xs, device)
     return point
 
 
@@ -285,6 +319,11 @@ def print_table(points: list[dict], device_name: str) -> None:
                 if g[k]["us"]
             )
             print(f"  T={p['tokens']} experts: {times or 'no device times'}; rel diff {g['rel_diff']:.1e}")
+        if "gemv_sweep" in p:
+            s = p["gemv_sweep"]
+            for key in ("default", "best_gate_up", "best_down"):
+                if s[key] is not None:
+                    print(f"  T={p['tokens']} gemv {key}: {s[key]['tiles']} -> {s[key]['us']}")
 
 
 def main() -> None:
@@ -293,6 +332,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--sweep", action="store_true", help="also time the GEMM tile candidates (T <= 256)")
     parser.add_argument("--gemv", action="store_true", help="also time the experts on moe.gemv (T <= 64)")
+    parser.add_argument("--gemv-sweep", action="store_true", help="also time moe.gemv's tiles (T <= 16)")
     parser.add_argument(
         "--write-config",
         nargs="?",

@@ -64,6 +64,8 @@ class GemvTiles:
     down_n: int = 16
     k_bytes: int = 1024
     num_warps: int = 4
+    down_k_bytes: int | None = None  # the down kernel's own, when they differ (None: k_bytes, num_warps)
+    down_warps: int | None = None
 
 
 def _k_blocks(k: int, elem_bytes: int, k_bytes: int, group: int | None) -> dict:
@@ -267,8 +269,9 @@ def _run(x, w13, w2, weights, ids, shared, scales, block, extra, tiles: GemvTile
     common = dict(
         ids_ptr=ids, hidden=hidden, inter=inter, shared_inter=shared_inter, num_experts=num_experts,
         block_rows=bn, stride_it=ids.stride(0), stride_is=ids.stride(1),
-        NUM_SLOTS=slots, USE_FP8=use_fp8, num_warps=tiles.num_warps,
+        NUM_SLOTS=slots, USE_FP8=use_fp8,
     )  # fmt: skip
+    down_k_bytes = tiles.down_k_bytes or tiles.k_bytes
 
     act = torch.empty(n, max(inter, shared_inter), dtype=x.dtype, device=x.device)  # [T*S, I]
     _gate_up_kernel[(n, triton.cdiv(act.shape[1], tiles.up_n))](
@@ -277,7 +280,7 @@ def _run(x, w13, w2, weights, ids, shared, scales, block, extra, tiles: GemvTile
         stride_we=w13.stride(0), stride_wn=w13.stride(1), stride_wh=w13.stride(2),
         stride_sn=shared_w13.stride(0), **_scale_strides(scale13),
         stride_ap=act.stride(0), stride_ai=act.stride(1),
-        BLOCK_N=tiles.up_n, **_k_blocks(hidden, elem, tiles.k_bytes, bk), **common,
+        BLOCK_N=tiles.up_n, **_k_blocks(hidden, elem, tiles.k_bytes, bk), num_warps=tiles.num_warps, **common,
     )  # fmt: skip
     part = torch.empty(n, hidden, dtype=torch.float32, device=x.device)  # [T*S, H]
     _down_kernel[(n, triton.cdiv(hidden, tiles.down_n))](
@@ -286,7 +289,8 @@ def _run(x, w13, w2, weights, ids, shared, scales, block, extra, tiles: GemvTile
         stride_gt=weights.stride(0), stride_gs=weights.stride(1),
         stride_we=w2.stride(0), stride_wh=w2.stride(1), stride_wi=w2.stride(2), stride_sh=shared_w2.stride(0),
         **_scale_strides(scale2), stride_pp=part.stride(0), stride_ph=part.stride(1),
-        BLOCK_N=tiles.down_n, **_k_blocks(max(inter, shared_inter), elem, tiles.k_bytes, bk), **common,
+        BLOCK_N=tiles.down_n, **_k_blocks(max(inter, shared_inter), elem, down_k_bytes, bk),
+        num_warps=tiles.down_warps or tiles.num_warps, **common,
     )  # fmt: skip
     return combine(part[None], t, slots, x.dtype, *(extra or (None, None)))
 

@@ -56,15 +56,20 @@ def test_experts_match_reference(t, h, i, shared_i, e, k, dtype, shared, nan_emp
     assert_relative(out, expected, REL_TOL[dtype])
 
 
+# The down kernel with K steps and warps of its own (a whole 40-channel row per step, 2 warps).
+SPLIT = gemv.GemvTiles(up_n=4, down_n=8, k_bytes=64, down_k_bytes=256, down_warps=2)
+
+
+@pytest.mark.parametrize("tiles", [SMALL, SPLIT], ids=["small", "down-own"])
 @pytest.mark.parametrize("t, shared_i", [(1, 24), (3, 56), (5, 24)])
-def test_experts_small_tiles(t, shared_i, nan_empty):
+def test_experts_small_tiles(t, shared_i, tiles, nan_empty):
     # A shared expert narrower and wider than the routed ones (the act buffer and N grid cover the wider).
     h, i, e, k = 48, 40, 5, 2
     x = rand(t, h, seed=3)
     w13, w2 = expert_weights(e, h, i, torch.float32, seed=4)
     s13, s2 = shared_weights(h, shared_i, torch.float32, seed=5)
     weights, ids = routed(t, e, k, True, seed=6)
-    out = gemv.experts(x, w13, w2, weights, ids, s13, s2, tiles=SMALL)
+    out = gemv.experts(x, w13, w2, weights, ids, s13, s2, tiles=tiles)
     assert_relative(out, reference.experts(x, w13, w2, weights, ids, s13, s2), REL_TOL[torch.float32])
 
 
