@@ -61,6 +61,11 @@ def sweep_candidates():
         LinearTiles(group_bytes=256),  # 128-channel groups: cross-lane sums every step
         LinearTiles(block_n=32, k_bytes=256),  # FP8_TILES
         LinearTiles(block_n=64, k_bytes=256, num_warps=8),
+        LinearTiles(block_n=16, split_k=2),
+        LinearTiles(block_n=16, split_k=4),
+        LinearTiles(block_n=32, k_bytes=512, split_k=4),
+        LinearTiles(block_n=16, k_bytes=2048, num_warps=8),
+        LinearTiles(block_n=32, k_bytes=1024, num_warps=8, split_k=2),
     ]
 
 
