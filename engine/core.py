@@ -49,6 +49,8 @@ class EngineCore:
         async_scheduling: bool | None = None,
     ) -> None:
         config = model.config
+        # One GEMM per DeltaNet layer's input projections: after any FP8 swap, before graphs are captured.
+        model.fuse_projections_()
         device = model.inv_freq.device
         dtype = model.model.embed_tokens.weight.dtype
         num_mtp = len(model.mtp.layers) if model.mtp is not None and num_speculative_tokens else 0
