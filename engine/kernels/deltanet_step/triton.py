@@ -1,33 +1,60 @@
 """Triton fused DeltaNet step: conv + SiLU, gates, l2 norm, gated delta rule and gated RMSNorm in one launch,
 for short sequences (decode, MTP verify), with the unfused kernels' roundings.
 
-One program per (sequence, value head). It computes, for all of the sequence's (at most SHORT_QUERY) new
-tokens at once, the conv of its key head's q and k channels and of its own v channels from the slot's cached
-inputs and the new rows, beta and the log decay, and the l2 norms; then, token by token, the delta rule on its
-fp32 state [dk, dv], held in registers across the tokens, and the gated RMSNorm of the token's output row,
-whole in the program, so no dv tiles have to meet. The states after each token go to its destination: its
-`state_out` slot, or the home slot after the last token.
+One program per (sequence, value head, dv tile): V_SPLITS tiles of BV = next_pow2(dv) / V_SPLITS state
+columns. The delta rule keeps the columns of the state apart: column v of S evolves with q, k, beta, g and
+v[v] only (S <- g S + beta k (v - S^T k)^T, o = S^T q, column by column), so a tile needs its v channels and
+the head's whole q and k. A program computes, for all of the sequence's (at most SHORT_QUERY) new tokens at
+once, the conv of its key head's q and k channels (every tile of every value head of the key head computes
+them again: dk values a token) and of its own v channels from the slot's cached inputs and the new rows, beta
+and the log decay, and the l2 norms; then, token by token, the delta rule on its fp32 state tile [dk, BV],
+held in registers across the tokens. The states after each token go to its destination: its `state_out`
+slot, or the home slot after the last token.
 
-8 warps at dk = dv = 128: 64 state registers a thread; for sm_90 ptxas a decode (BT = 1) takes 178 registers
-without spills, a verify step (BT = 2..8) the 255 cap with 30-90 bytes of spills (16 warps: 128 registers, no
-spills up to BT = 2, 170-240 bytes at BT = 4, 8). Not yet timed on the GPU; the one state tile per program
-trades the parallelism of dv tiles at batch 1 (Hv programs) for one whole-row norm and one q/k conv per head.
+The gated RMSNorm needs the whole dv row of each token's output. Unsplit (V_SPLITS = 1) the program holds it
+and norms it token by token. Split, each program stores its tile of the un-normalised row, rounded to the
+output's dtype as the unfused delta rule stores it, into `out` itself; then, once a barrier has passed in all
+its threads, adds one to its (sequence, value head) row counter (acq_rel). The program that finds
+V_SPLITS - 1 there is the last of the head's tiles: every other one stored its tiles before its increment
+(release), and this program's increment reads theirs (acquire), so it sees every tile; it resets the counter
+for the next launch, reads the sequence's rows back, norms them whole and overwrites them. No program waits
+on another, and no other program touches those rows after its increment. Triton issues a scalar atomic from
+one thread (sm_90 PTX: `atom.global.gpu.acq_rel`) and broadcasts its result through shared memory between
+two CTA barriers: the barrier before it orders every thread's stores before the release (which is
+cumulative), the one after it orders the acquire before every thread's loads. The q/k counter below works the
+same way, ordering reads before writes.
+
+At dk = dv = 128, unsplit: 8 warps, 64 state registers a thread; for sm_90 ptxas a decode (BT = 1) takes 178
+registers without spills, a verify step (BT = 2..8) the 255 cap with 30-90 bytes of spills (16 warps: 128
+registers, no spills up to BT = 2, 170-240 bytes at BT = 4, 8). Split programs keep the 8 warps
+(`_num_warps`). Batch 1 of Qwen3.5-35B-A3B has 32 (sequence, value head) programs for 132 SMs:
+the split gives it 4 times as many (see `_v_splits`).
 
 Conv states. A program reads and writes its own v channels' and no other program touches them. The q and k
-channels of a key head are read by all RATIO programs of its value heads and must be written by one, after
-all of them have read: programs of a launch run in no order, so a program that wrote the home slot as soon as
-it had read it could overwrite the inputs under another that has not started yet (a decode reads and writes
-the same slot, a verify step usually ends there). So each program, once its conv is computed and a barrier
-has passed in all its threads, adds one to its key head's counter (acq_rel); the program that finds RATIO - 1
-there is the last reader (every other one read before its increment), resets the counter for the next launch
-(the layers of a step share it) and writes the q/k states. No program waits on another.
+channels of a key head are read by the RATIO * V_SPLITS programs of its value heads' tiles and must be written
+by one, after all of them have read: programs of a launch run in no order, so a program that wrote the home
+slot as soon as it had read it could overwrite the inputs under another that has not started yet (a decode
+reads and writes the same slot, a verify step usually ends there). So each program, once its conv is computed
+and a barrier has passed in all its threads, adds one to its key head's counter (acq_rel); the program that
+finds RATIO * V_SPLITS - 1 there is the last reader (every other one read before its increment), resets the
+counter for the next launch (the layers of a step share it) and writes the q/k states.
 """
+
+import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from engine.kernels.layout import SHORT_QUERY, SeqLayout
+
+# The dv split (`_v_splits`): split while the grid has fewer than this many programs per SM, into at most
+# this many tiles. ENCLAVE_DELTANET_V_SPLITS=1|2|4|... overrides the choice (benchmarks, bisecting).
+_PROGRAMS_PER_SM = 2
+_MAX_V_SPLITS = 4
+# SMs counted on a CPU: few, so that the interpreter tests' few heads take the split.
+_CPU_SMS = 4
 
 
 @triton.jit
@@ -96,6 +123,37 @@ def _store_conv_states(
     tl.store(p_d + o_j[None, None, :] * stride_ck, b_new, mask=m)
 
 
+@triton.jit
+def _norm_rows(
+    o_seq,  # the sequence's first output row, at its value head's columns: un-normalised, normalised in place
+    z_seq,  # the same in z
+    weight,  # [DV]
+    o_t,  # [BT] new tokens
+    m_t,
+    stride_ot,
+    stride_zt,
+    DV,
+    eps,
+    BDV: tl.constexpr,
+    IS_ROUNDED_PRODUCT: tl.constexpr,
+):
+    """The gated RMSNorm of a value head's [BT, DV] output rows, in place, as the unsplit loop rounds it."""
+    dt = o_seq.dtype.element_ty
+    o_d = tl.arange(0, BDV)
+    m_d = o_d < DV
+    m = m_t[:, None] & m_d[None, :]
+    p_o = o_seq + o_t[:, None] * stride_ot + o_d[None, :]
+    b_o = tl.load(p_o, mask=m, other=0.0).to(tl.float32)  # [BT, BDV]
+    b_z = tl.load(z_seq + o_t[:, None] * stride_zt + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_w = tl.load(weight + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BDV]
+    rms = tl.rsqrt(tl.sum(b_o * b_o, axis=1) / DV + eps)  # [BT]
+    y = (b_o * rms[:, None]).to(dt).to(tl.float32) * b_w[None, :]
+    if IS_ROUNDED_PRODUCT:
+        y = y.to(dt).to(tl.float32)
+    y = y * (b_z / (1.0 + tl.exp(-b_z)))
+    tl.store(p_o, y.to(dt), mask=m)
+
+
 # stride_ck is not specialised (to 1): the compiler then lays the [BT, .] conv tiles out by channel, not by
 # tap, and holds fewer copies of the state in the verify loop (sm_90 ptxas: 36 against 448 bytes of spills at
 # BT = 8).
@@ -114,7 +172,7 @@ def _deltanet_step_kernel(
     out,  # [T, HV * DV], contiguous
     seqs,  # [N, 4] int32: start, length, slot, has context
     dests,  # [T] int32: slot for the states after each token, -1 for none
-    counters,  # [N, HV // RATIO] int32, zero between launches (only used if SHARED_QK)
+    counters,  # [N * HV // RATIO + N * HV] int32: (sequence, key head)'s, then (sequence, value head)'s
     stride_xt,
     stride_zt,
     stride_at,
@@ -138,12 +196,15 @@ def _deltanet_step_kernel(
     K: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
-    BV: tl.constexpr,
+    BV: tl.constexpr,  # state columns of a program: BDV / V_SPLITS
+    BDV: tl.constexpr,  # next_pow2(DV)
     BKM1: tl.constexpr,
-    SHARED_QK: tl.constexpr,
+    V_SPLITS: tl.constexpr,
+    SHARED_QK: tl.constexpr,  # RATIO * V_SPLITS > 1: several programs read a key head's q/k conv inputs
     IS_ROUNDED_PRODUCT: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
+    i_v = tl.program_id(1) if V_SPLITS > 1 else 0  # the dv tile
     i_n, i_h = i_nh // HV, i_nh % HV
     i_hk = i_h // RATIO  # value head j reads key head j // (Hv // Hk)
     start = tl.load(seqs + i_n * 4 + 0).to(tl.int64)
@@ -154,7 +215,7 @@ def _deltanet_step_kernel(
 
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BV)
+    o_v = i_v * BV + tl.arange(0, BV)  # this program's state columns
     m_t = o_t < length
     m_k = o_k < DK
     m_v = o_v < DV
@@ -177,9 +238,10 @@ def _deltanet_step_kernel(
     softplus = tl.where(b_x > 20.0, b_x, tl.maximum(b_x, 0.0) + log1p)
     b_g = -tl.exp(tl.load(a_log + i_h).to(tl.float32)) * softplus  # [BT]
     b_beta = (1.0 / (1.0 + tl.exp(-b_b))).to(b.dtype.element_ty).to(tl.float32)  # [BT]
-    p_z = z + tok[:, None] * stride_zt + i_h * DV + o_v[None, :]
-    b_z = tl.load(p_z, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BT, BV]
-    b_nw = tl.load(norm_weight + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
+    if V_SPLITS == 1:
+        p_z = z + tok[:, None] * stride_zt + i_h * DV + o_v[None, :]
+        b_z = tl.load(p_z, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BT, BV]
+        b_nw = tl.load(norm_weight + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
     dest = tl.load(dests + tok, mask=m_t, other=-1).to(tl.int64)  # [BT]
 
     x_seq = qkv + start * stride_xt
@@ -211,7 +273,7 @@ def _deltanet_step_kernel(
         # The key head's other programs may still have to read the q/k inputs: the last reader writes them.
         tl.debug_barrier()  # this program's reads are all done
         p_count = counters + i_n * (HV // RATIO) + i_hk
-        last = tl.atomic_add(p_count, 1, sem="acq_rel") == RATIO - 1
+        last = tl.atomic_add(p_count, 1, sem="acq_rel") == RATIO * V_SPLITS - 1
     else:
         last = True
     if last:
@@ -226,15 +288,17 @@ def _deltanet_step_kernel(
             stride_xt, stride_cs, stride_cc, stride_ck, K, BKM1,
         )  # fmt: skip
 
-    # Token by token: the delta rule, then the gated RMSNorm of the token's output row (whole in this
-    # program), as rounded to the inputs' dtype: norm, * weight (rounded when the weight has that dtype, as
-    # torch's product is), * silu(z). Each token's row is picked out of the [BT, ...] tiles.
+    # Token by token: the delta rule, then the gated RMSNorm of the token's output row, as rounded to the
+    # inputs' dtype: norm, * weight (rounded when the weight has that dtype, as torch's product is),
+    # * silu(z); unsplit here, the row whole in this program, split after the loop. Each token's row is
+    # picked out of the [BT, ...] tiles.
     for t in range(0, length):
         sel = o_t == t
         q_t = tl.sum(tl.where(sel[:, None], b_q, 0.0), axis=0)  # [BK]
         k_t = tl.sum(tl.where(sel[:, None], b_k, 0.0), axis=0)  # [BK]
         v_t = tl.sum(tl.where(sel[:, None], b_v, 0.0), axis=0)  # [BV]
-        z_t = tl.sum(tl.where(sel[:, None], b_z, 0.0), axis=0)  # [BV]
+        if V_SPLITS == 1:
+            z_t = tl.sum(tl.where(sel[:, None], b_z, 0.0), axis=0)  # [BV]
         b_s = b_s * tl.exp(tl.sum(tl.where(sel, b_g, 0.0)))
         delta = tl.sum(tl.where(sel, b_beta, 0.0)) * (v_t - tl.sum(b_s * k_t[:, None], axis=0))  # [BV]
         b_s = b_s + k_t[:, None] * delta[None, :]
@@ -243,11 +307,24 @@ def _deltanet_step_kernel(
         tl.store(p_s + tl.maximum(d_t, 0) * stride_ss, b_s, mask=m_w)
 
         b_o = tl.sum(b_s * q_t[:, None], axis=0).to(dt).to(tl.float32)  # [BV]
-        y = (b_o * tl.rsqrt(tl.sum(b_o * b_o) / DV + eps)).to(dt).to(tl.float32) * b_nw
-        if IS_ROUNDED_PRODUCT:
-            y = y.to(dt).to(tl.float32)
-        y = y * (z_t / (1.0 + tl.exp(-z_t)))
-        tl.store(out + (start + t) * (HV * DV) + i_h * DV + o_v, y.to(dt), mask=m_v)
+        if V_SPLITS == 1:
+            y = (b_o * tl.rsqrt(tl.sum(b_o * b_o) / DV + eps)).to(dt).to(tl.float32) * b_nw
+            if IS_ROUNDED_PRODUCT:
+                y = y.to(dt).to(tl.float32)
+            y = y * (z_t / (1.0 + tl.exp(-z_t)))
+            tl.store(out + (start + t) * (HV * DV) + i_h * DV + o_v, y.to(dt), mask=m_v)
+        else:  # the un-normalised tile, for the head's last program
+            tl.store(out + (start + t) * (HV * DV) + i_h * DV + o_v, b_o.to(dt), mask=m_v)
+
+    if V_SPLITS > 1:
+        tl.debug_barrier()  # every thread's tiles stored before the increment releases them
+        p_row = counters + tl.num_programs(0) // RATIO + i_nh  # after the N * HV // RATIO key heads'
+        if tl.atomic_add(p_row, 1, sem="acq_rel") == V_SPLITS - 1:
+            tl.store(p_row, 0)
+            _norm_rows(
+                out + start * (HV * DV) + i_h * DV, z + start * stride_zt + i_h * DV, norm_weight, o_t, m_t,
+                HV * DV, stride_zt, DV, eps, BDV, IS_ROUNDED_PRODUCT,
+            )  # fmt: skip
 
 
 def _seq_table(layout: SeqLayout) -> torch.Tensor:
@@ -285,8 +362,11 @@ def deltanet_step(
     norm_weight: torch.Tensor,
     eps: float,
     layout: SeqLayout,
+    *,
+    v_splits: int | None = None,
 ) -> torch.Tensor:
-    """Drop-in for `reference.deltanet_step` (arguments: `engine.kernels.deltanet_step`)."""
+    """Drop-in for `reference.deltanet_step` (arguments: `engine.kernels.deltanet_step`); `v_splits` dv
+    tiles per value head (a power of two), else `_v_splits`'s choice."""
     t, c = qkv.shape
     hv, dk, dv = recurrent_state.shape[1:]
     key_dim = (c - hv * dv) // 2
@@ -300,18 +380,26 @@ def deltanet_step(
     dev = qkv.device
     seqs = layout.cached("deltanet_step.seqs", dev, _seq_table)
     dests = layout.cached("deltanet_step.dests", dev, _token_dests)
-    shared = hv > hk
-    if shared:
+    bk, bdv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    if v_splits is None:
+        sms = _num_sms(dev.index or 0) if dev.type == "cuda" else _CPU_SMS
+        splits = _v_splits(layout.num_seqs * hv, bdv, sms)
+    else:
+        splits = _checked_splits(v_splits, bdv)
+    shared = hv // hk * splits > 1
+    if shared or splits > 1:
+        # Zero at allocation; every launch leaves them zero (the last program of each resets its counter),
+        # so a CUDA graph's replays and the layers of a step share them without a memset.
         counters = layout.cached(
-            ("deltanet_step.counters", hk),
+            ("deltanet_step.counters", hk, hv),
             dev,
-            lambda lay: torch.zeros((lay.num_seqs, hk), dtype=torch.int32),
+            lambda lay: torch.zeros(lay.num_seqs * (hk + hv), dtype=torch.int32),
         )
     else:
         counters = seqs  # never touched
     k = conv_weight.shape[1]
-    bk, bv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
-    _deltanet_step_kernel[(layout.num_seqs * hv,)](
+    bv = bdv // splits
+    _deltanet_step_kernel[(layout.num_seqs * hv, splits)](
         qkv,
         z,
         a,
@@ -344,15 +432,54 @@ def deltanet_step(
         BT=triton.next_power_of_2(max(layout.query_lens)),
         BK=bk,
         BV=bv,
+        BDV=bdv,
         BKM1=triton.next_power_of_2(max(k - 1, 1)),
+        V_SPLITS=splits,
         SHARED_QK=shared,
         # The reference's `weight * normed` is rounded to the dtype only when the weight has it too.
         IS_ROUNDED_PRODUCT=norm_weight.dtype == qkv.dtype and qkv.dtype != torch.float32,
-        num_warps=_num_warps(dk, dv),
+        num_warps=_num_warps(bk, bdv),
     )
     return out
 
 
-def _num_warps(dk: int, dv: int) -> int:
-    """Warps of one program, which holds its [dk, dv] fp32 state in registers: 8 for 128 x 128."""
-    return max(1, min(8, triton.next_power_of_2(dk) * triton.next_power_of_2(dv) // 2048))
+def _num_warps(bk: int, bdv: int) -> int:
+    """Warps of one program: 8 at dk = dv = 128, where an unsplit program holds its [dk, dv] fp32 state in
+    registers, 64 elements a thread. Split programs keep them: their q/k conv tiles and rows do not shrink,
+    and at 8 warps sm_90 ptxas fits 2, 4 and 8 tiles without spills (decode: 128, 94, 68 registers; verify
+    up to BT = 8 too, but for 8 bytes at 2 tiles), where 4, 2 and 1 warp (64 state elements a thread
+    again) take up to 255 registers and spill up to 470 bytes."""
+    return max(1, min(8, bk * bdv // 2048))
+
+
+def _v_splits(num_programs: int, bdv: int, sms: int) -> int:
+    """dv tiles per value head. Unsplit, a program runs a long dependent chain (loads, conv, norms, then the
+    rule token by token) on little data: 64 KB of state in, 64 KB out at dk = dv = 128, about 1-2 us of an
+    H200's bandwidth against 9.7 us measured at batch 1, where 32 programs leave 100 of 132 SMs idle. So
+    while the grid has fewer than _PROGRAMS_PER_SM programs per SM, double the tiles, up to _MAX_V_SPLITS:
+    Qwen3.5-35B-A3B (Hv 32) splits 4 ways at batch 1-4, 2 ways at 5-8, not from 9 sequences on. The cost
+    of a split: each tile computes its key head's q/k conv and norms again, and the head's last program
+    reads its rows back for the norm. Not yet timed; ENCLAVE_DELTANET_V_SPLITS overrides (1, 2, 4, 8)."""
+    forced = os.environ.get("ENCLAVE_DELTANET_V_SPLITS", "").strip()
+    if forced:
+        if not forced.isdigit():
+            raise ValueError(f"ENCLAVE_DELTANET_V_SPLITS must be a power of two (1, 2, 4, 8), got {forced!r}")
+        return _checked_splits(int(forced), bdv)
+    splits = 1
+    while num_programs * splits < _PROGRAMS_PER_SM * sms and splits < min(_MAX_V_SPLITS, bdv):
+        splits *= 2
+    return splits
+
+
+def _checked_splits(splits: int, bdv: int) -> int:
+    if splits < 1 or splits & (splits - 1) or splits > bdv:
+        raise ValueError(
+            f"deltanet_step: {splits} dv tiles do not divide a {bdv}-wide state tile; "
+            f"set ENCLAVE_DELTANET_V_SPLITS (or v_splits) to a power of two up to {bdv}"
+        )
+    return splits
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

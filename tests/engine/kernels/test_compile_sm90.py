@@ -339,13 +339,16 @@ def _fp8_cases() -> list[Case]:
 
 
 def _deltanet_step_cases() -> list[Case]:
-    # The fused short step: one program per (sequence, value head), 8 warps for the [128, 128] fp32 state;
-    # BT the next power of two of the longest sequence (decode 1, verify 2-8); bf16 (the model) and fp32.
+    # The fused short step: one program per (sequence, value head, dv tile), 8 warps for the [128, 128 /
+    # V_SPLITS] fp32 state tile; BT the next power of two of the longest sequence (decode 1, verify 2-8);
+    # bf16 (the model) and fp32; V_SPLITS dv tiles (4 at batch 1-4, 2 at 5-8).
     cases = []
-    for dt, bt in (("bf16", 1), ("bf16", 2), ("bf16", 4), ("bf16", 8), ("fp32", 4)):
+    variants = [("bf16", 1, 1), ("bf16", 2, 1), ("bf16", 4, 1), ("bf16", 8, 1), ("fp32", 4, 1)]
+    variants += [("bf16", 1, 2), ("bf16", 1, 4), ("bf16", 1, 8), ("bf16", 4, 4), ("fp32", 4, 4)]
+    for dt, bt, splits in variants:
         cases.append(
             Case(
-                f"deltanet_step {dt} BT={bt}",
+                f"deltanet_step {dt} BT={bt} V_SPLITS={splits}",
                 "deltanet_step",
                 "_deltanet_step_kernel",
                 dict(
@@ -386,8 +389,10 @@ def _deltanet_step_cases() -> list[Case]:
                     K=CONV_K,
                     BT=bt,
                     BK=LIN_D,
-                    BV=LIN_D,
+                    BV=LIN_D // splits,
+                    BDV=LIN_D,
                     BKM1=4,
+                    V_SPLITS=splits,
                     SHARED_QK=True,
                     IS_ROUNDED_PRODUCT=dt == "bf16",
                 ),

@@ -1,10 +1,13 @@
 """The fused DeltaNet step (conv + SiLU, gates, l2 norm, gated delta rule, gated RMSNorm in one kernel)
 against the unfused references, over decode and verify layouts, odd head sizes, fp32 and fp16; the conv and
-recurrent states after the step included.
+recurrent states after the step included; unsplit and with the value dimension split into 2 and 4 tiles
+(`v_splits`), whose programs meet through counters that every launch must leave at zero.
 
 Slots a sequence starts fresh from, and the scratch slots a verify step writes, are NaN-filled: a kernel that
 reads a slot it should ignore, or leaves a state or an output unwritten, fails the comparison.
 """
+
+import functools
 
 import pytest
 import torch
@@ -94,14 +97,15 @@ def run(op, inputs, weights, conv, recurrent, layout):
     )
 
 
-def compare(layout, num_slots, shape, dtype, k=4, seed=0):
-    """Fused against the references: output, conv and recurrent states. Returns the states before and after
-    the fused step."""
+def compare(layout, num_slots, shape, dtype, k=4, seed=0, v_splits=None):
+    """Fused (`v_splits` dv tiles, or the launcher's choice) against the references: output, conv and
+    recurrent states. Returns the states before and after the fused step."""
     inputs, weights = step_inputs(layout.num_tokens, *shape, k, dtype, seed=seed)
     conv, recurrent = start_states(layout, num_slots, *shape, k, dtype, seed=seed)
     before = conv.clone(), recurrent.clone()
     ref_conv, ref_recurrent = conv.clone(), recurrent.clone()
-    out = run(fused.deltanet_step, inputs, weights, conv, recurrent, layout)
+    step = functools.partial(fused.deltanet_step, v_splits=v_splits)
+    out = run(step, inputs, weights, conv, recurrent, layout)
     ref = run(reference.deltanet_step, inputs, weights, ref_conv, ref_recurrent, layout)
     hv, dv = shape[1], shape[3]
     assert out.shape == (layout.num_tokens, hv * dv) and out.dtype == dtype
@@ -112,29 +116,42 @@ def compare(layout, num_slots, shape, dtype, k=4, seed=0):
     return before, (conv, recurrent)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("batch", [1, 2, 5])
-def test_decode_matches_reference(batch, shape, dtype):
+# dv tiles per value head: unsplit, and 2 and 4 tiles of the power-of-two row: 16 and 8 columns at dv 32 and
+# 24 (where the last tile is partly, or with 4 tiles wholly, masked), 8 and 4 at dv 16, 4 and 2 at dv 8.
+SPLITS = [1, 2, 4]
+
+
+def decode_layout(batch):
     # Sequences 1 and 3 start fresh: their NaN slots must not be read.
-    ctx = (4, 0, 2, 0, 9)[:batch]
-    slots = (5, 0, 3, 1, 6)[:batch]
-    compare(SeqLayout((1,) * batch, ctx, slots), 7, shape, dtype, seed=batch)
+    return SeqLayout((1,) * batch, (4, 0, 2, 0, 9)[:batch], (5, 0, 3, 1, 6)[:batch])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("shape", SHAPES[1:3])
-def test_verify_writes_every_token_state(shape, dtype):
+def verify_layout():
     # Seq 0 ends in its home slot as the runner's verify step does; seq 1 starts fresh and never touches its
     # home slot (6 stays NaN); seq 2 decodes plainly beside them; seq 3 keeps states without context; seq 4 is
-    # a 2-token chunk without context or per-token states (its state goes home).
-    layout = SeqLayout(
+    # a 2-token chunk without context or per-token states (its state goes home). 19 slots.
+    return SeqLayout(
         query_lens=(4, 4, 1, 3, 2),
         context_lens=(7, 2, 3, 0, 0),
         slots=(0, 6, 1, 2, 3),
         state_out=((8, 9, 10, 0), (11, 12, 13, 14), (), (15, 16, 17), ()),
     )
-    before, after = compare(layout, 19, shape, dtype, seed=3)
+
+
+@pytest.mark.parametrize("v_splits", SPLITS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_decode_matches_reference(batch, shape, dtype, v_splits):
+    compare(decode_layout(batch), 7, shape, dtype, seed=batch, v_splits=v_splits)
+
+
+@pytest.mark.parametrize("v_splits", SPLITS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES[1:3])
+def test_verify_writes_every_token_state(shape, dtype, v_splits):
+    layout = verify_layout()
+    before, after = compare(layout, 19, shape, dtype, seed=3, v_splits=v_splits)
     for start, end in zip(before, after, strict=True):  # conv, then recurrent states
         for targets in layout.state_out:
             assert not end[list(targets)].isnan().any()
@@ -150,14 +167,32 @@ def test_other_conv_widths(k):
     compare(layout, 7, SHAPES[0], torch.float32, k=k, seed=7)
 
 
-def test_counters_reset_for_the_next_layer():
-    # The layers of a step share the layout and so the key heads' counters: each launch must leave them zero,
-    # or the next layer's q/k conv states would go unwritten (and stay NaN here).
-    layout = SeqLayout((2, 1), (3, 0), (0, 1))
-    for layer in range(3):
-        compare(layout, 2, SHAPES[0], torch.float32, seed=20 * layer)
-    counters = layout.cached(("deltanet_step.counters", SHAPES[0][0]), DEVICE, None)
-    assert not counters.any()
+@pytest.mark.parametrize("v_splits", SPLITS)
+@pytest.mark.parametrize("kind, shape", [("decode", SHAPES[0]), ("decode", SHAPES[3]), ("verify", SHAPES[2])])
+def test_counters_reset_for_the_next_layer(kind, shape, v_splits):
+    # The layers of a step (and a CUDA graph's replays) share the layout and so the key heads' and value
+    # heads' counters: each launch must leave them zero, or the next layer's q/k conv states would go
+    # unwritten (and stay NaN here) and its output rows unnormalised. Hv = Hk (SHAPES[3]) shares q/k between
+    # the dv tiles only.
+    layout, slots = (decode_layout(2), 7) if kind == "decode" else (verify_layout(), 19)
+    for layer in range(2):
+        compare(layout, slots, shape, torch.float32, seed=20 * layer, v_splits=v_splits)
+    if shape[1] > shape[0] or v_splits > 1:
+        counters = layout.cached(("deltanet_step.counters", shape[0], shape[1]), DEVICE, None)
+        assert not counters.any()
+
+
+def test_split_choice(monkeypatch):
+    # Qwen3.5-35B-A3B on an H200 (32 value heads, 132 SMs): 4 tiles up to 4 sequences, 2 up to 8, none
+    # from 9; never tiles narrower than one column.
+    assert [fused._v_splits(32 * n, 128, 132) for n in (1, 4, 5, 8, 9, 64)] == [4, 4, 2, 2, 1, 1]
+    assert fused._v_splits(1, 2, 132) == 2
+    monkeypatch.setenv("ENCLAVE_DELTANET_V_SPLITS", "8")
+    assert fused._v_splits(32 * 64, 128, 132) == 8
+    for bad in ("3", "256", "x"):
+        monkeypatch.setenv("ENCLAVE_DELTANET_V_SPLITS", bad)
+        with pytest.raises(ValueError, match="power of two"):
+            fused._v_splits(32, 128, 132)
 
 
 def test_matches_the_unfused_triton_kernels():
@@ -251,15 +286,20 @@ GPU_LAYOUTS["verify3"] = SeqLayout(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("v_splits", [1, 2, 4, 8])
 @pytest.mark.parametrize("name", sorted(GPU_LAYOUTS))
-def test_real_shapes_bf16_on_gpu(name):
+def test_real_shapes_bf16_on_gpu(name, v_splits):
+    # Twice from the same start: the second launch finds the counters the first left (zero).
     layout = GPU_LAYOUTS[name]
     inputs, weights = step_inputs(layout.num_tokens, *REAL, 4, torch.bfloat16, device="cuda")
-    conv, recurrent = start_states(layout, 180, *REAL, 4, torch.bfloat16, device="cuda")
-    ref_conv, ref_recurrent = conv.clone(), recurrent.clone()
-    out = run(fused.deltanet_step, inputs, weights, conv, recurrent, layout)
+    start = start_states(layout, 180, *REAL, 4, torch.bfloat16, device="cuda")
+    ref_conv, ref_recurrent = (x.clone() for x in start)
     ref = run(reference.deltanet_step, inputs, weights, ref_conv, ref_recurrent, layout)
-    assert out.dtype == torch.bfloat16 and not out.isnan().any()
-    torch.testing.assert_close(out.float(), ref.float(), **BF16_OUT)
-    torch.testing.assert_close(conv, ref_conv, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(recurrent, ref_recurrent, equal_nan=True, **BF16_STATE)
+    step = functools.partial(fused.deltanet_step, v_splits=v_splits)
+    for _ in range(2):
+        conv, recurrent = (x.clone() for x in start)
+        out = run(step, inputs, weights, conv, recurrent, layout)
+        assert out.dtype == torch.bfloat16 and not out.isnan().any()
+        torch.testing.assert_close(out.float(), ref.float(), **BF16_OUT)
+        torch.testing.assert_close(conv, ref_conv, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(recurrent, ref_recurrent, equal_nan=True, **BF16_STATE)
