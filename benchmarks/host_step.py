@@ -3,12 +3,12 @@
     python benchmarks/host_step.py [--preset qwen3.5-35b-a3b|tiny] [--batches 1,64] [--steps 50] [--out F]
 
 Times each phase of `EngineCore.step` with perf_counter stamps (no extra synchronisation): scheduling,
-building the batch (`build`), the graph replay call (metadata refill and launch), the eager tail (final norm, logits,
-sampling launches), the wait for the sampled tokens (the one host read), emitting them, and the scheduler's
-update, all with synchronous scheduling. Everything after the token read until the next step's graph is
-launched is time the device sits idle: the `idle` column (emit, update, schedule, batch and the replay call,
-which refills the metadata). `async_step_us` is the step time with asynchronous scheduling, which runs
-that host work while the device computes the step before.
+building the batch (`build`), the graph replay call (metadata refill and launch), the eager tail (final
+norm, logits, sampling launches), the wait for the sampled tokens (the one host read), emitting them, and
+the scheduler's update, all with synchronous scheduling. Everything after the token read until the next
+step's graph is launched is time the device sits idle: the `idle` column (emit, update, schedule, build and
+the replay call, which refills the metadata). `async_step_us` is the step time with asynchronous
+scheduling, which runs that host work while the device computes the step before.
 Prints one table and writes JSON.
 """
 
