@@ -66,6 +66,13 @@ def sweep_candidates():
         LinearTiles(block_n=32, k_bytes=512, split_k=4),
         LinearTiles(block_n=16, k_bytes=2048, num_warps=8),
         LinearTiles(block_n=32, k_bytes=1024, num_warps=8, split_k=2),
+        LinearTiles(block_n=4, group_bytes=256),
+        LinearTiles(block_n=2),
+        LinearTiles(block_n=2, group_bytes=256),
+        LinearTiles(block_n=4, num_warps=2),
+        LinearTiles(block_n=4, k_bytes=2048),
+        LinearTiles(block_n=4, split_k=1),
+        LinearTiles(block_n=8, group_bytes=256, split_k=1),
     ]
 
 

@@ -54,7 +54,11 @@ FP8_MAX_ROWS = MAX_ROWS  # and up to which the W8A8 variant (`fp8_linear`) is bu
 # vs 7.6 at 8) and loses from N 2048 up (out_proj 9.8 vs 10.0 at 1 but 16.0 vs 9.9 at 4; in_proj_qkvz 24.7
 # vs 19.1 at 1). FP8 against the quantiser + GEMM: it wins at one row with few N tiles (out_proj 8.8 vs
 # 15.9) and loses on wide outputs (in_proj_qkvz 15.9 vs 14.1) and from 4 rows (out_proj 17.7 vs 16.7).
-PREFER_MAX_N = 512  # `linear` takes the kernel for N up to this
+PREFER_MAX_N = 512  # `linear` takes the kernel for N up to this at any M <= MAX_ROWS
+# And for wider outputs at one row, with 4-row tiles (2026-11-30 sweep, L2 flushed, us per call, against
+# cuBLAS): in_proj_qkvz 18.3 vs 19.3, out_proj / o_proj 8.8 vs 9.9, qkv_proj 15.2 vs 14.6. Narrow tiles
+# win here: 3,088 programs for in_proj_qkvz, each with 4 rows' 1 KB steps in flight, and fewer registers.
+WIDE_MAX_ROWS = 1
 FP8_PREFER_MAX_ROWS, FP8_PREFER_MAX_N = 1, 4096  # `fp8.triton.fp8_block_linear` takes it within these
 PROGRAMS_PER_SM = 4  # K is split until the grid has about this many programs per SM
 _INTERPRETER_SMS = 4  # CPU tensors (Triton's interpreter): a few programs, so small tests still split K
@@ -82,6 +86,7 @@ class LinearTiles:
 # every program, serves 32 weight rows instead of 8 (sm_90 PTX of the loop at M = 4: 21 instructions per
 # weight byte and thread against 28 with the bf16 tiles).
 FP8_TILES = LinearTiles(block_n=32, k_bytes=256)
+WIDE_TILES = LinearTiles(block_n=4)  # bf16, N > PREFER_MAX_N, WIDE_MAX_ROWS rows
 
 
 @triton.jit
@@ -276,8 +281,8 @@ def linear(
     *,
     tiles: LinearTiles | None = None,
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`: up to MAX_ROWS rows and PREFER_MAX_N outputs on `_linear_kernel`, the rest
-    (or other dtypes) on cuBLAS.
+    """`F.linear(x, weight, bias)`: up to MAX_ROWS rows and PREFER_MAX_N outputs, or one row (WIDE_MAX_ROWS)
+    and any outputs, on `_linear_kernel`; the rest (or other dtypes) on cuBLAS.
 
     Args:
         x: [..., K] fp16, bf16 or fp32; weight: [N, K] and bias: optional [N], of x's dtype.
@@ -286,10 +291,13 @@ def linear(
         [..., N] in x's dtype.
     """
     same = weight.dtype == x.dtype and (bias is None or (bias.dtype == x.dtype and bias.dim() == 1))
-    if not (same and fits(x, weight) and weight.shape[0] <= PREFER_MAX_N):
+    wide = weight.shape[0] > PREFER_MAX_N
+    if not (same and fits(x, weight, WIDE_MAX_ROWS if wide else MAX_ROWS)):
         return F.linear(x, weight, bias)
     k, n = x.shape[-1], weight.shape[0]
-    out = run_kernel(x.reshape(-1, k), weight, None, bias, None, tiles or LinearTiles())
+    out = run_kernel(
+        x.reshape(-1, k), weight, None, bias, None, tiles or (WIDE_TILES if wide else LinearTiles())
+    )
     return out.view(*x.shape[:-1], n)
 
 

@@ -183,9 +183,9 @@ def test_counters_reset_for_the_next_layer(kind, shape, v_splits):
 
 
 def test_split_choice(monkeypatch):
-    # Qwen3.5-35B-A3B on an H200 (32 value heads, 132 SMs): 4 tiles up to 4 sequences, 2 up to 8, none
-    # from 9; never tiles narrower than one column.
-    assert [fused._v_splits(32 * n, 128, 132) for n in (1, 4, 5, 8, 9, 64)] == [4, 4, 2, 2, 1, 1]
+    # Qwen3.5-35B-A3B on an H200 (32 value heads, 132 SMs): 4 tiles up to 2 sequences, 2 up to 4, none
+    # from 5; never tiles narrower than one column.
+    assert [fused._v_splits(32 * n, 128, 132) for n in (1, 2, 3, 4, 5, 8, 64)] == [4, 4, 2, 2, 1, 1, 1]
     assert fused._v_splits(1, 2, 132) == 2
     monkeypatch.setenv("ENCLAVE_DELTANET_V_SPLITS", "8")
     assert fused._v_splits(32 * 64, 128, 132) == 8
