@@ -57,6 +57,8 @@ def build(config: ModelConfig, kind: str, device: torch.device, dtype: torch.dty
     g = torch.Generator(device=device).manual_seed(0)
     for name, p in layer.named_parameters():
         init_parameter_(name, p, g)
+    if kind == "linear_attention":  # as the engine serves it: one GEMM for the input projections
+        layer.linear_attn.fuse_input_projections_()
     return layer.eval().requires_grad_(False)
 
 
