@@ -121,7 +121,7 @@ def measure(b, batch: int, prompt: int, steps: int, asynchronous: bool = False) 
     stamps.on = False
     runner_module.sample_rows = original
     per_step = {p: stamps.total[p] / steps * 1e6 for p in PHASES}
-    per_step["emit"] -= per_step["sample"] + per_step["read"]  # _emit calls both: its own share
+    per_step["emit"] -= per_step["read"]  # _emit reads the tokens (sampled at launch): its own share
     step_us = wall / steps * 1e6
     # The device waits from the token read's return until the next replay is launched (decode steps).
     idle = sum(per_step[p] for p in ("emit", "update", "schedule", "build", "replay"))

@@ -108,6 +108,11 @@ class EngineCore:
             launched = self.runner.launch(out, defer=self.async_scheduling)
         except Exception as exc:
             raise self._failed(out, exc) from exc
+        # Prompt tokens count when computed, generated tokens when read (a step later, when deferred).
+        self.prompt_tokens += sum(
+            max(0, min(i.context + i.num_new, len(i.seq.prompt_ids)) - i.context) for i in out.scheduled
+        )
+        self.draft_tokens += sum(len(i.drafts) for i in out.scheduled)
         finished: list[Sequence] = []
         if launched.deferred:
             finished += self.scheduler.update(out, [0] * len(out.scheduled))
@@ -123,7 +128,8 @@ class EngineCore:
             except Exception as exc:
                 raise self._failed(out, exc) from exc
             finished += self.scheduler.update(out, result.accepted)
-            self._count(out, result.accepted, result.num_generated)
+            self.generated_tokens += result.num_generated
+            self.accepted_tokens += sum(result.accepted)
         self.steps += 1
         self.busy_s += time.perf_counter() - start
         return finished
@@ -134,7 +140,7 @@ class EngineCore:
             result = self.runner.finish(launched)
         except Exception as exc:
             raise self._failed(out, exc) from exc
-        self._count(out, result.accepted, result.num_generated)
+        self.generated_tokens += result.num_generated
         return [
             item.seq
             for item, rows in zip(out.scheduled, launched.emit_rows, strict=True)
@@ -146,14 +152,6 @@ class EngineCore:
         for item in out.scheduled:
             self.scheduler.abort(item.seq)
         return StepFailed(seqs, exc)
-
-    def _count(self, out: SchedulerOutput, accepted: list[int], generated: int) -> None:
-        self.prompt_tokens += sum(
-            max(0, min(i.context + i.num_new, len(i.seq.prompt_ids)) - i.context) for i in out.scheduled
-        )
-        self.generated_tokens += generated
-        self.draft_tokens += sum(len(i.drafts) for i in out.scheduled)
-        self.accepted_tokens += sum(accepted)
 
     def stats(self) -> EngineStats:
         busy = self.busy_s or float("inf")

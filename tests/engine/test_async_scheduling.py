@@ -52,10 +52,12 @@ def both(path, prompts, params, **options):
     with engine(path, False, **options) as e:
         sync = [summary(o) for o in e.generate(prompts, params)]
         assert e.core.deferred_steps == 0
+        counts = (e.stats().prompt_tokens, e.stats().generated_tokens)
     with engine(path, True, **options) as e:
         asyn = [summary(o) for o in e.generate(prompts, params)]
         deferred = e.core.deferred_steps
         stats = e.stats()
+        assert (stats.prompt_tokens, stats.generated_tokens) == counts  # discarded tokens not counted
         assert stats.num_running == stats.num_waiting == 0
         assert e.core.slots.num_free == e.core.slots.num_slots  # nothing leaked by the early-stopped
         assert e.core.blocks.num_free == e.core.blocks.num_blocks
