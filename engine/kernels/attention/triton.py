@@ -23,6 +23,7 @@ import triton.language as tl
 from engine.kernels import dispatch
 from engine.kernels.attention import reference
 from engine.kernels.layout import SeqLayout
+from engine.kernels.pdl import pdl_launch, pdl_wait
 
 # Split the keys when fewer programs than this many per multiprocessor would run otherwise...
 _PROGRAMS_PER_SM = 4
@@ -64,7 +65,9 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -147,7 +150,9 @@ def _merge_splits_kernel(
     BLOCK_M: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     # One program per (sequence, kv head, tile row); rows past the sequence's new tokens store nothing.
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -401,7 +406,7 @@ def _short(q, k_cache, v_cache, layout: SeqLayout, scale, out, num_splits, block
     )
     grid = (num_seqs, hkv, num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, target, lse, tables, info, scale * _LOG2E, *strides, **args
+        q, k_cache, v_cache, target, lse, tables, info, scale * _LOG2E, *strides, **args, **pdl_launch()
     )
     if num_splits == 1:
         return
@@ -418,6 +423,7 @@ def _short(q, k_cache, v_cache, layout: SeqLayout, scale, out, num_splits, block
         NUM_SPLITS=num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=4,
+        **pdl_launch(),
     )
 
 

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from engine.kernels.conv1d import reference
 from engine.kernels.layout import SeqLayout
+from engine.kernels.pdl import pdl_launch, pdl_wait
 
 # Tokens per tile for sequences longer than one tile; at least K - 1, so that only a sequence's first tile
 # reaches back into the slot's cached inputs.
@@ -44,7 +45,9 @@ def _conv_kernel(
     BKM1: tl.constexpr,
     USE_SILU: tl.constexpr,
     USE_STATE_OUT: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     i_p, i_c = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(tiles + i_p * 2 + 0)
     t0 = tl.load(tiles + i_p * 2 + 1)
@@ -164,6 +167,7 @@ def causal_conv1d(
         USE_SILU=activation,
         USE_STATE_OUT=use_state_out,
         num_warps=4,
+        **pdl_launch(),
     )
     return out
 

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.pdl import pdl_launch, pdl_wait
+
 # Elements of one program's [BT, BH] tile.
 TILE = 1024
 
@@ -27,7 +29,9 @@ def _deltanet_gate_kernel(
     HV,
     BT: tl.constexpr,
     BH: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     o_t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)  # [BT]
     o_h = tl.arange(0, BH)  # [BH]
     m_h = o_h < HV
@@ -78,5 +82,6 @@ def deltanet_gate(
         BT=bt,
         BH=bh,
         num_warps=4,
+        **pdl_launch(),
     )
     return g, beta

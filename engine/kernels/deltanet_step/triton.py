@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.layout import SHORT_QUERY, SeqLayout
+from engine.kernels.pdl import pdl_launch, pdl_wait
 
 # The dv split (`_v_splits`): split while the grid has fewer than this many programs per SM, into at most
 # this many tiles. ENCLAVE_DELTANET_V_SPLITS=1|2|4|... overrides the choice (benchmarks, bisecting).
@@ -202,7 +203,9 @@ def _deltanet_step_kernel(
     V_SPLITS: tl.constexpr,
     SHARED_QK: tl.constexpr,  # RATIO * V_SPLITS > 1: several programs read a key head's q/k conv inputs
     IS_ROUNDED_PRODUCT: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1) if V_SPLITS > 1 else 0  # the dv tile
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -439,6 +442,7 @@ def deltanet_step(
         # The reference's `weight * normed` is rounded to the dtype only when the weight has it too.
         IS_ROUNDED_PRODUCT=norm_weight.dtype == qkv.dtype and qkv.dtype != torch.float32,
         num_warps=_num_warps(bk, bdv),
+        **pdl_launch(),
     )
     return out
 

@@ -24,6 +24,7 @@ import triton.language as tl
 from engine.kernels import dispatch
 from engine.kernels.gated_delta import reference
 from engine.kernels.layout import SeqLayout
+from engine.kernels.pdl import pdl_launch, pdl_wait
 
 # Sequences adding at most this many tokens run in the recurrent kernel, longer ones in the chunked kernels.
 MAX_RECURRENT = 64
@@ -70,7 +71,9 @@ def _recurrent_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     USE_STATE_OUT: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     i_hk = i_h // RATIO  # value head j reads key head j // (Hv // Hk)
@@ -579,6 +582,7 @@ def gated_delta_rule(
             BV=bv,
             USE_STATE_OUT=use_state_out,
             num_warps=num_warps,
+            **pdl_launch(),
         )
 
     if long_seqs:

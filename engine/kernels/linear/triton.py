@@ -45,6 +45,7 @@ import triton.language as tl
 
 from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX
 from engine.kernels.fp8.triton import quantize_rows
+from engine.kernels.pdl import pdl_launch, pdl_wait
 
 MAX_ROWS = 8  # token rows up to which `linear` takes this kernel
 FP8_MAX_ROWS = MAX_ROWS  # and up to which the W8A8 variant (`fp8_linear`) is built for
@@ -55,9 +56,10 @@ FP8_MAX_ROWS = MAX_ROWS  # and up to which the W8A8 variant (`fp8_linear`) is bu
 # vs 19.1 at 1). FP8 against the quantiser + GEMM: it wins at one row with few N tiles (out_proj 8.8 vs
 # 15.9) and loses on wide outputs (in_proj_qkvz 15.9 vs 14.1) and from 4 rows (out_proj 17.7 vs 16.7).
 PREFER_MAX_N = 512  # `linear` takes the kernel for N up to this at any M <= MAX_ROWS
-# And for wider outputs at one row, with 4-row tiles (2026-11-30 sweep, L2 flushed, us per call, against
-# cuBLAS): in_proj_qkvz 18.3 vs 19.3, out_proj / o_proj 8.8 vs 9.9, qkv_proj 15.2 vs 14.6. Narrow tiles
-# win here: 3,088 programs for in_proj_qkvz, each with 4 rows' 1 KB steps in flight, and fewer registers.
+# And for any N at one row, with WIDE_TILES: narrow tiles of long K steps (two 2026-11-30 sweeps, L2 flushed,
+# us per call: in_proj_qkvz + in_proj_ba 17.7 vs cuBLAS 19.3, out_proj / o_proj 8.7 vs 9.9, qkv_proj 14.1
+# vs 14.6, the router 3.4 vs 3.6 with the default tiles): 3,088 programs for in_proj_qkvz, each with 4 rows'
+# 2 KB steps in flight, and few registers.
 WIDE_MAX_ROWS = 1
 FP8_PREFER_MAX_ROWS, FP8_PREFER_MAX_N = 1, 4096  # `fp8.triton.fp8_block_linear` takes it within these
 PROGRAMS_PER_SM = 4  # K is split until the grid has about this many programs per SM
@@ -86,7 +88,7 @@ class LinearTiles:
 # every program, serves 32 weight rows instead of 8 (sm_90 PTX of the loop at M = 4: 21 instructions per
 # weight byte and thread against 28 with the bf16 tiles).
 FP8_TILES = LinearTiles(block_n=32, k_bytes=256)
-WIDE_TILES = LinearTiles(block_n=4)  # bf16, N > PREFER_MAX_N, WIDE_MAX_ROWS rows
+WIDE_TILES = LinearTiles(block_n=4, k_bytes=2048)  # bf16 at up to WIDE_MAX_ROWS rows
 
 
 @triton.jit
@@ -119,7 +121,9 @@ def _linear_kernel(
     HAS_BIAS: tl.constexpr,
     USE_FP8: tl.constexpr,
     USE_SPLIT: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -180,7 +184,9 @@ def _sum_splits_kernel(
     stride_on,
     BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     row, pid = tl.program_id(0), tl.program_id(1)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_size
@@ -251,11 +257,13 @@ def run_kernel(
         part.stride(0), part.stride(1), part.stride(2),
         ROWS=m, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, **p["blocks"],
         HAS_BIAS=bias is not None, USE_FP8=use_fp8, USE_SPLIT=splits > 1, num_warps=tiles.num_warps,
+        **pdl_launch(),
     )  # fmt: skip
     if splits > 1:
         _sum_splits_kernel[(m, triton.cdiv(n, _SUM_BLOCK))](
             part, bias if bias is not None else part, out, n, splits, part.stride(0), part.stride(1),
             stride_b, out.stride(0), out.stride(1), BLOCK=_SUM_BLOCK, HAS_BIAS=bias is not None, num_warps=4,
+            **pdl_launch(),
         )  # fmt: skip
     return out
 
@@ -295,8 +303,9 @@ def linear(
     if not (same and fits(x, weight, WIDE_MAX_ROWS if wide else MAX_ROWS)):
         return F.linear(x, weight, bias)
     k, n = x.shape[-1], weight.shape[0]
+    one_row = fits(x, weight, WIDE_MAX_ROWS)
     out = run_kernel(
-        x.reshape(-1, k), weight, None, bias, None, tiles or (WIDE_TILES if wide else LinearTiles())
+        x.reshape(-1, k), weight, None, bias, None, tiles or (WIDE_TILES if one_row else LinearTiles())
     )
     return out.view(*x.shape[:-1], n)
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.moe import reference
+from engine.kernels.pdl import pdl_launch, pdl_wait
 
 BLOCK_P = 64  # pairs per sub-block: a [64, 64] comparison gives each pair its rank among its expert's
 MAX_CHUNKS = 128  # programs; each reads all C count rows, so C stays moderate
@@ -67,7 +68,9 @@ def _count_kernel(
     NUM_SLOTS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     start = pid * chunk
     end = tl.minimum(start + chunk, num_pairs)
@@ -100,7 +103,9 @@ def _align_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_B: tl.constexpr,
     IS_SINGLE: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     start = pid * chunk
     end = tl.minimum(start + chunk, num_pairs)
@@ -179,11 +184,13 @@ def align_block_size(
     common = dict(NUM_SLOTS=slots, BLOCK_P=BLOCK_P, BLOCK_E=block_e)
     strides = (ids.stride(0), ids.stride(1), scratch.stride(1))
     if chunks > 1:
-        _count_kernel[(chunks,)](ids, scratch[0], n, chunk, num_experts, *strides, **common, num_warps=4)
+        _count_kernel[(chunks,)](
+            ids, scratch[0], n, chunk, num_experts, *strides, **common, num_warps=4, **pdl_launch()
+        )
     _align_kernel[(chunks,)](
         ids, scratch[0], scratch[1], sorted_pairs, table[0], table[1],
         n, chunk, chunks, num_experts, num_blocks, *strides,
         BLOCK_M=block_m, BLOCK_C=max(1, min(16, 4096 // block_e)), BLOCK_B=max(1, min(32, 4096 // block_e)),
-        IS_SINGLE=chunks == 1, **common, num_warps=4,
+        IS_SINGLE=chunks == 1, **common, num_warps=4, **pdl_launch(),
     )  # fmt: skip
     return sorted_pairs, table[0], table[1]

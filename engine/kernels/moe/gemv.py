@@ -42,6 +42,7 @@ from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX
 from engine.kernels.fp8.triton import quantize_rows
 from engine.kernels.moe import reference
 from engine.kernels.moe.triton import _expert, combine
+from engine.kernels.pdl import pdl_launch, pdl_wait
 
 # Pairs (T * S) up to which the dispatcher prefers this path. Each pair re-reads its expert, where the
 # grouped GEMM reads each distinct expert once (256 experts, top-8: pairs / distinct experts is 1.07 at T = 2,
@@ -122,7 +123,9 @@ def _gate_up_kernel(
     BLOCK_C: tl.constexpr,  # next_power_of_2(GROUP)
     KG: tl.constexpr,  # K groups per step
     USE_FP8: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     token = (pair // NUM_SLOTS).to(tl.int64)
@@ -209,7 +212,9 @@ def _down_kernel(
     BLOCK_C: tl.constexpr,
     KG: tl.constexpr,
     USE_FP8: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     pair = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     token, slot = pair // NUM_SLOTS, pair % NUM_SLOTS
@@ -281,6 +286,7 @@ def _run(x, w13, w2, weights, ids, shared, scales, block, extra, tiles: GemvTile
         stride_sn=shared_w13.stride(0), **_scale_strides(scale13),
         stride_ap=act.stride(0), stride_ai=act.stride(1),
         BLOCK_N=tiles.up_n, **_k_blocks(hidden, elem, tiles.k_bytes, bk), num_warps=tiles.num_warps, **common,
+        **pdl_launch(),
     )  # fmt: skip
     part = torch.empty(n, hidden, dtype=torch.float32, device=x.device)  # [T*S, H]
     _down_kernel[(n, triton.cdiv(hidden, tiles.down_n))](
@@ -290,7 +296,7 @@ def _run(x, w13, w2, weights, ids, shared, scales, block, extra, tiles: GemvTile
         stride_we=w2.stride(0), stride_wh=w2.stride(1), stride_wi=w2.stride(2), stride_sh=shared_w2.stride(0),
         **_scale_strides(scale2), stride_pp=part.stride(0), stride_ph=part.stride(1),
         BLOCK_N=tiles.down_n, **_k_blocks(max(inter, shared_inter), elem, down_k_bytes, bk),
-        num_warps=tiles.down_warps or tiles.num_warps, **common,
+        num_warps=tiles.down_warps or tiles.num_warps, **common, **pdl_launch(),
     )  # fmt: skip
     return combine(part[None], t, slots, x.dtype, *(extra or (None, None)))
 

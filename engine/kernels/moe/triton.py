@@ -22,6 +22,7 @@ import triton.language as tl
 from engine.kernels.moe import reference
 from engine.kernels.moe.align import _align_kernel, _count_kernel, align_block_size  # noqa: F401 (sm_90 test)
 from engine.kernels.moe.config import ExpertsConfig, GemmTiles, choose_config, table_key, tuned_config
+from engine.kernels.pdl import pdl_launch, pdl_wait
 
 _DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -40,7 +41,9 @@ def _route_kernel(
     BLOCK_K: tl.constexpr,
     USE_RENORM: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < num_experts
@@ -99,6 +102,7 @@ def route(
         USE_RENORM=renormalize,
         HAS_SHARED=shared,
         num_warps=max(1, min(8, block_e // 256)),
+        **pdl_launch(),
     )
     lead = router_logits.shape[:-1]
     return weights.view(*lead, slots), ids.view(*lead, slots)
@@ -139,7 +143,9 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -210,7 +216,9 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -267,7 +275,9 @@ def _combine_kernel(
     PARTS: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < hidden
@@ -310,7 +320,7 @@ def combine(
     _combine_kernel[(t, triton.cdiv(hidden, block_h))](
         part, extra, gate, out, hidden, part.stride(0), part.stride(1), part.stride(2),
         extra.stride(0), extra.stride(1), gate.stride(0), out.stride(0), out.stride(1),
-        NUM_SLOTS=slots, PARTS=parts, HAS_EXTRA=has_extra, BLOCK_H=block_h, num_warps=4,
+        NUM_SLOTS=slots, PARTS=parts, HAS_EXTRA=has_extra, BLOCK_H=block_h, num_warps=4, **pdl_launch(),
     )  # fmt: skip
     return out
 
@@ -349,7 +359,7 @@ def fused_experts(
         x, w13, shared_w13, act, *table, *sizes,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), shared_w13.stride(0),
         act.stride(0), act.stride(1),
-        NUM_SLOTS=slots, DOT_PRECISION=precision, **_blocks(config.block_m, tiles),
+        NUM_SLOTS=slots, DOT_PRECISION=precision, **_blocks(config.block_m, tiles), **pdl_launch(),
     )  # fmt: skip
     split, tiles = config.split_k, config.down
     part = torch.empty(split, n, hidden, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
@@ -358,6 +368,7 @@ def fused_experts(
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), shared_w2.stride(0),
         weights.stride(0), weights.stride(1), part.stride(0), part.stride(1), part.stride(2),
         NUM_SLOTS=slots, SPLIT_K=split, DOT_PRECISION=precision, **_blocks(config.block_m, tiles),
+        **pdl_launch(),
     )  # fmt: skip
     return combine(part, t, slots, x.dtype, shared_out, shared_gate)
 

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.norm import reference
+from engine.kernels.pdl import pdl_launch, pdl_wait
 
 # Rows of more channels than this would not fit one program's registers; they take the reference.
 MAX_DIM = 16384
@@ -42,7 +43,9 @@ def _rms_norm_kernel(
     IS_ZERO_CENTERED: tl.constexpr,
     IS_ROUNDED_PRODUCT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)  # [BR] flat row index
     o_d = tl.arange(0, BD)  # [BD]
     m_r = o_r < R
@@ -122,6 +125,7 @@ def _launch(x, weight, eps, zero_centered, gate=None, rounded=False, residual=No
         IS_ROUNDED_PRODUCT=rounded,
         HAS_RESIDUAL=residual is not None,
         num_warps=4 if br * bd <= 4096 else 8,
+        **pdl_launch(),
     )
     return out, residual_out
 

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.pdl import pdl_launch, pdl_wait
 from engine.kernels.qk_norm_rotary import reference
 
 # Heads of more channels than this take the reference (no such model).
@@ -97,7 +98,9 @@ def _qk_norm_rotary_kernel(
     eps,
     BH: tl.constexpr,
     BD: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     i_t, i_b = tl.program_id(0).to(tl.int64), tl.program_id(1)
     q_blocks = tl.cdiv(HQ, BH)
     if i_b < q_blocks:
@@ -195,5 +198,6 @@ def qk_norm_rotary(
         BD=bd,
         num_warps=4,
         enable_fp_fusion=False,  # no FMA: keep the references' rounding of each product
+        **pdl_launch(),
     )
     return q_out, k_out

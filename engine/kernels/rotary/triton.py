@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.pdl import pdl_launch, pdl_wait
+
 # Elements of one program's [BH, BD] tile.
 TILE = 4096
 # Elements of one program's [BT, BD] tile of the cos/sin tables.
@@ -31,7 +33,9 @@ def _cos_sin_kernel(
     scale,
     BT: tl.constexpr,
     BD: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     o_t = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT]
     o_d = tl.arange(0, BD)  # [BD]
     m_t, m_d = o_t < T, o_d < RD
@@ -56,7 +60,7 @@ def rotary_cos_sin(
     bd = triton.next_power_of_2(rd)
     bt = max(1, min(TABLE_TILE // bd, triton.next_power_of_2(t)))
     _cos_sin_kernel[(triton.cdiv(t, bt),)](
-        positions, inv_freq, cos, sin, t, rd, float(scaling), BT=bt, BD=bd, num_warps=4
+        positions, inv_freq, cos, sin, t, rd, float(scaling), BT=bt, BD=bd, num_warps=4, **pdl_launch()
     )
     return cos, sin
 
@@ -78,7 +82,9 @@ def _rotary_kernel(
     RD,
     BH: tl.constexpr,
     BD: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_h = i_h * BH + tl.arange(0, BH)  # [BH]
     o_d = tl.arange(0, BD)  # [BD]
@@ -133,5 +139,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         BD=bd,
         num_warps=4,
         enable_fp_fusion=False,  # no FMA: keep the reference's rounding of each product
+        **pdl_launch(),
     )
     return out

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.pdl import pdl_launch, pdl_wait
+
 # Elements of one program's [BH, BD] tile.
 TILE = 2048
 
@@ -25,7 +27,9 @@ def _sigmoid_gate_kernel(
     D,
     BH: tl.constexpr,
     BD: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_h = i_h * BH + tl.arange(0, BH)  # [BH]
     o_d = tl.arange(0, BD)  # [BD]
@@ -61,5 +65,6 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         BH=bh,
         BD=bd,
         num_warps=4,
+        **pdl_launch(),
     )
     return out

@@ -4,8 +4,8 @@ CI runs the kernels in Triton's interpreter, which accepts code the compiler rej
 another shape under a run-time `if`, integer masks, ...). This test lowers each `@triton.jit` kernel in
 engine/kernels/*/triton.py all the way to a cubin for `GPUTarget("cuda", 90, 32)` (ptxas ships with the
 Triton wheel), for the constexpr combinations its launcher picks at Qwen3.5-35B-A3B's shapes (bf16, plus the
-fp32 variants where the launcher picks other constexprs by dtype), and checks that each fits an H200's shared
-memory.
+fp32 variants where the launcher picks other constexprs by dtype; PDL True where a kernel has it, as
+`engine.kernels.pdl` launches it there), and checks that each fits an H200's shared memory.
 
 `@triton.jit` returns an uncompilable InterpretedFunction when TRITON_INTERPRET is set (conftest.py sets it
 on CPU-only machines, and other tests here import the kernel modules under it), so the compilation runs in
@@ -1316,6 +1316,9 @@ def _source(fn, args: dict[str, Any]):
     from triton.compiler import ASTSource
 
     names = list(fn.arg_names)
+    if "PDL" in names and "PDL" not in args:
+        # Launched with programmatic dependent launch on an H200 (`engine.kernels.pdl`): compile that.
+        args = {**args, "PDL": True}
     if set(args) != set(names):
         raise TypeError(
             f"arguments {sorted(set(names) - set(args))} missing, {sorted(set(args) - set(names))} unknown"
@@ -1354,6 +1357,8 @@ def _compile(fn, args: dict[str, Any], options: dict[str, Any]):
     import triton
     from triton.backends.compiler import GPUTarget
 
+    if "PDL" in fn.arg_names:
+        options = {**options, "launch_pdl": True}
     return triton.compile(_source(fn, args), target=GPUTarget("cuda", 90, 32), options=options)
 
 

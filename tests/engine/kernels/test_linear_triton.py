@@ -246,7 +246,7 @@ def test_linear_replays_in_cuda_graph_gpu(k, n):
 @pytest.mark.parametrize("n", [linear_triton.PREFER_MAX_N, linear_triton.PREFER_MAX_N + 1])
 def test_linear_routes_wide_outputs_to_torch(m, n, monkeypatch):
     # The kernel only where it measured faster than cuBLAS: narrow outputs (PREFER_MAX_N) up to MAX_ROWS
-    # rows, wide ones at one row (WIDE_MAX_ROWS), with their own tiles.
+    # rows, and any at one row (WIDE_MAX_ROWS) with WIDE_TILES.
     calls = []
     kernel = linear_triton.run_kernel
     monkeypatch.setattr(
@@ -254,8 +254,7 @@ def test_linear_routes_wide_outputs_to_torch(m, n, monkeypatch):
     )
     x, w = rand(m, 32, seed=11), rand(n, 32, seed=12)
     torch.testing.assert_close(linear_triton.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    narrow = n <= linear_triton.PREFER_MAX_N
-    if narrow:
-        assert calls == [linear_triton.LinearTiles().block_n]
+    if m <= linear_triton.WIDE_MAX_ROWS:
+        assert calls == [linear_triton.WIDE_TILES.block_n]
     else:
-        assert calls == ([linear_triton.WIDE_TILES.block_n] if m <= linear_triton.WIDE_MAX_ROWS else [])
+        assert calls == ([linear_triton.LinearTiles().block_n] if n <= linear_triton.PREFER_MAX_N else [])
