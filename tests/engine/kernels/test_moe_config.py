@@ -17,7 +17,7 @@ from tests.engine.kernels.test_moe_triton import (
 )
 
 
-def test_table_lookup_takes_the_nearest_tuned_token_count(tmp_path, monkeypatch):
+def test_table_lookup_takes_the_nearest_tuned_token_count_up_to_twice_the_largest(tmp_path, monkeypatch):
     monkeypatch.setattr(config, "_device_name", lambda index: "NVIDIA H200")
     key = config.table_key(256, 2048, 512, 8, torch.bfloat16)
     assert key == "E=256,H=2048,I=512,k=8,dtype=bfloat16"
@@ -29,7 +29,10 @@ def test_table_lookup_takes_the_nearest_tuned_token_count(tmp_path, monkeypatch)
     cuda = torch.device("cuda", 0)
     assert config.tuned_config(1, key, cuda, tmp_path) == small
     assert config.tuned_config(20, key, cuda, tmp_path) == small  # 19 from 1, 44 from 64
-    assert config.tuned_config(200, key, cuda, tmp_path) == large
+    assert config.tuned_config(100, key, cuda, tmp_path) == large
+    assert config.tuned_config(128, key, cuda, tmp_path) == large
+    assert config.tuned_config(129, key, cuda, tmp_path) is None  # past twice the largest: shape rules
+    assert config.tuned_config(8192, key, cuda, tmp_path) is None
     assert config.tuned_config(1, "E=8,H=64,I=32,k=2,dtype=bfloat16", cuda, tmp_path) is None
     assert config.tuned_config(1, key, torch.device("cpu"), tmp_path) is None
 
