@@ -107,8 +107,8 @@ class ModelRunner:
         else:
             normed = None
             logits = self.model.logits(self.model.final_norm(hidden if wanted is None else hidden[wanted]))
-        launched = Launched(items, layout, emit_rows, logits, self._tokens(items, emit_rows, logits), hidden)
-        launched.normed = normed
+        tokens = self._tokens(items, emit_rows, logits)
+        launched = Launched(items, layout, emit_rows, logits, tokens, hidden, normed)
         if defer and self._deferrable(items):
             self._defer(launched)
         return launched
