@@ -33,6 +33,16 @@ for step in $STEPS; do
         run "micro_$k" 90 python "benchmarks/kernels_$k.py" --json "$OUT/kernels_$k.json"
       done ;;
     profile) run profile 150 python benchmarks/profile_step.py --out "$OUT" --rows 30 ;;
-    bench) run bench 540 python -m engine.bench --preset qwen3.5-35b-a3b --json "$OUT/bench.json" "$@" ;;
+    fp8_tests) run fp8_tests 200 python -m pytest -q -p no:cacheprovider $CUT -m gpu \
+        tests/engine/kernels/test_moe_fp8_triton.py tests/engine/kernels/test_fp8_triton.py \
+        tests/engine/kernels/test_moe_triton.py tests/engine/test_fp8_experts.py tests/engine/test_fp8.py ;;
+    tiles)  # FP8 at every size, bf16 past the decode table's range; merges the winners into the GPU's table
+      run tiles_fp8 240 python benchmarks/moe_tiles.py --dtypes fp8 --json "$OUT/tiles_fp8.json" --write-config
+      run tiles_bf16 200 python benchmarks/moe_tiles.py --dtypes bf16 --tokens 1024,4096,16384 \
+        --json "$OUT/tiles_bf16.json" --write-config
+      cp engine/kernels/moe/configs/*.json "$OUT/" ;;
+    bench)  # BENCH_TAG names the files when one call runs several benches; BENCH_LIMIT caps the seconds
+      run "bench${BENCH_TAG:-}" "${BENCH_LIMIT:-540}" python -m engine.bench --preset qwen3.5-35b-a3b \
+        --json "$OUT/bench${BENCH_TAG:-}.json" "$@" ;;
   esac
 done

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from engine.kernels.fp8 import reference
 from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX
+from engine.kernels.pdl import pdl_launch, pdl_wait
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) by the largest token count they serve; BLOCK_K is the scale block.
 # Small batches are bound by reading the weight, so narrow N tiles spread it over more programs.
@@ -68,7 +69,9 @@ def _quantize_kernel(
     eps,
     BLOCK_M: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     i_m, i_g = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_c = tl.arange(0, BLOCK_G)
@@ -111,7 +114,9 @@ def _block_fp8_matmul_kernel(
     GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     USE_FP8_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     first_m = (pid // (GROUP_M * num_n)) * GROUP_M
@@ -179,6 +184,7 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[tor
             AMAX_EPS,
             BLOCK_M=block_m,
             BLOCK_G=triton.next_power_of_2(group),
+            **pdl_launch(),
         )
     return q.view(*x.shape[:-1], k), s.view(*x.shape[:-1], groups)
 
@@ -252,5 +258,6 @@ def fp8_block_gemm(
             USE_FP8_DOT=_has_fp8_dot(x.device),
             num_warps=num_warps,
             num_stages=num_stages,
+            **pdl_launch(),
         )
     return out.view(*x.shape[:-1], n)

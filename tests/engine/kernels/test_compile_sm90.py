@@ -1220,8 +1220,6 @@ def _moe_fp8_cases() -> list[Case]:
                 hidden=HIDDEN,
                 inter=MOE_INTER,
                 group_n=128,
-                fp8_max=448.0,
-                eps=1e-10,
                 NUM_SLOTS=TOP_K,
             )
             cases.append(
@@ -1230,7 +1228,8 @@ def _moe_fp8_cases() -> list[Case]:
                     "moe.fp8",
                     "_fp8_gate_up_kernel",
                     dict(
-                        x_ptr=f"*{dt}",
+                        xq_ptr="*fp8e4nv",
+                        xs_ptr="*fp32",
                         w13_ptr="*fp8e4nv",
                         s13_ptr="*fp32",
                         act_ptr=f"*{dt}",
@@ -1238,6 +1237,8 @@ def _moe_fp8_cases() -> list[Case]:
                         half_blocks=MOE_INTER // 128,
                         stride_xt=HIDDEN,
                         stride_xh=1,
+                        stride_xst=HIDDEN // 128,
+                        stride_xsk=1,
                         stride_we=2 * MOE_INTER * HIDDEN,
                         stride_wn=HIDDEN,
                         stride_wh=1,
@@ -1259,7 +1260,8 @@ def _moe_fp8_cases() -> list[Case]:
                         "moe.fp8",
                         "_fp8_down_kernel",
                         dict(
-                            act_ptr=f"*{dt}",
+                            aq_ptr="*fp8e4nv",
+                            as_ptr="*fp32",
                             w2_ptr="*fp8e4nv",
                             s2_ptr="*fp32",
                             weights_ptr="*fp32",
@@ -1267,6 +1269,8 @@ def _moe_fp8_cases() -> list[Case]:
                             **common,
                             stride_ap=MOE_INTER,
                             stride_ai=1,
+                            stride_asp=MOE_INTER // 128,
+                            stride_ask=1,
                             stride_we=HIDDEN * MOE_INTER,
                             stride_wh=MOE_INTER,
                             stride_wi=1,
