@@ -19,7 +19,7 @@ from engine.errors import EngineError, RequestError
 from engine.loader import load_model, quantization_mode
 from engine.model.model import CausalLM
 from engine.outputs import EngineStats, RequestOutput
-from engine.planner import memory_budget, plan_cache
+from engine.planner import CPU_MAX_NUM_SEQS, MAX_AUTO_SEQS, affordable_seqs, memory_budget, plan_cache
 from engine.runner import MTP_HIDDEN, Drafter
 from engine.sampling import SamplingParams
 from engine.sequence import PrefixSpec, Sequence
@@ -57,7 +57,7 @@ class Engine:
         device: torch.device,
         dtype: torch.dtype,
         *,
-        max_num_seqs: int = 64,
+        max_num_seqs: int | None = None,
         max_num_batched_tokens: int = 8192,
         num_speculative_tokens: int = 0,
         max_model_len: int | None = None,
@@ -72,7 +72,12 @@ class Engine:
     ) -> None:
         if mtp_hidden not in MTP_HIDDEN:
             raise EngineError(f"mtp_hidden must be one of {', '.join(MTP_HIDDEN)}, got {mtp_hidden!r}")
-        if max_num_seqs < 1 or max_num_batched_tokens < 1 or block_size < 1 or max_prefixes < 0:
+        if (
+            (max_num_seqs is not None and max_num_seqs < 1)
+            or max_num_batched_tokens < 1
+            or block_size < 1
+            or max_prefixes < 0
+        ):
             raise EngineError(
                 "max_num_seqs, max_num_batched_tokens and block_size must be at least 1, max_prefixes >= 0"
             )
@@ -87,21 +92,35 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = device
         self.dtype = dtype
-        self.max_num_seqs = max_num_seqs
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = min(max_model_len or config.max_model_len, config.max_model_len)
         eos = set(config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.eos_token_ids = frozenset(eos)
         num_mtp = len(model.mtp.layers) if model.mtp is not None and num_speculative_tokens else 0
+        if max_num_seqs is None and device.type != "cuda":
+            max_num_seqs = CPU_MAX_NUM_SEQS
         budget = memory_budget(
             device,
             config,
             dtype,
             max_num_batched_tokens=max_num_batched_tokens,
-            logit_rows=max_num_seqs * (1 + num_speculative_tokens),
+            logit_rows=(max_num_seqs or MAX_AUTO_SEQS) * (1 + num_speculative_tokens),
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory=kv_cache_memory,
         )
+        if max_num_seqs is None:
+            max_num_seqs = affordable_seqs(
+                config,
+                dtype,
+                budget,
+                max_model_len=self.max_model_len,
+                num_speculative_tokens=num_speculative_tokens,
+                num_mtp_layers=num_mtp,
+                block_size=block_size,
+                max_prefixes=max_prefixes,
+            )
+            log.info("max_num_seqs %d, sized from a cache budget of %.1f GiB", max_num_seqs, budget / 2**30)
+        self.max_num_seqs = max_num_seqs
         self.plan = plan_cache(
             config,
             dtype,
@@ -147,13 +166,14 @@ class Engine:
         `quantization`: None or "none" loads the checkpoint's weights in `dtype` (an FP8 release dequantised);
         "fp8" runs the dense projections and the routed experts as block-FP8 (W8A8) GEMMs, with an FP8
         release's weights as stored and a bf16/fp32 checkpoint's quantised at load.
-        `options` are the serving settings of `Engine.__init__`: max_num_seqs, max_num_batched_tokens,
-        num_speculative_tokens, max_model_len, kv_cache_memory (bytes), gpu_memory_utilization,
-        block_size, max_prefixes, mtp_hidden ("normed": the MTP head reads the final-normed hidden
-        state, as vLLM feeds it; "raw": before the final norm), cuda_graphs (True: decode and verify
-        steps replay CUDA graphs on CUDA; ENCLAVE_CUDA_GRAPHS=0 also turns them off), async_scheduling
-        (None: on CUDA without speculation, the next step is launched before this step's tokens are read;
-        ENCLAVE_ASYNC_SCHEDULING=0 turns it off; True forces it, on the CPU too).
+        `options` are the serving settings of `Engine.__init__`: max_num_seqs (None: on CUDA as many as the
+        cache budget affords, at most 1,024, see `planner.affordable_seqs`; 64 elsewhere),
+        max_num_batched_tokens, num_speculative_tokens, max_model_len, kv_cache_memory (bytes),
+        gpu_memory_utilization, block_size, max_prefixes, mtp_hidden ("normed": the MTP head reads the
+        final-normed hidden state, as vLLM feeds it; "raw": before the final norm), cuda_graphs (True: decode
+        and verify steps replay CUDA graphs on CUDA; ENCLAVE_CUDA_GRAPHS=0 also turns them off),
+        async_scheduling (None: on CUDA without speculation, the next step is launched before this step's
+        tokens are read; ENCLAVE_ASYNC_SCHEDULING=0 turns it off; True forces it, on the CPU too).
         """
         device = _device(device)
         dtype = _dtype(dtype, device)

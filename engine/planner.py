@@ -5,6 +5,9 @@ On CUDA the budget is the free device memory after the weights are loaded, times
 tokens. Elsewhere it is `kv_cache_memory` bytes (default 2 GiB). Slots come first (every running
 sequence needs one, plus one per cached prefix and `k` verify scratch slots per sequence); the rest
 becomes KV blocks, capped at what `max_num_seqs` sequences of the full context could use.
+
+`max_num_seqs` left to the engine is sized from the same budget on CUDA (`affordable_seqs`) and fixed at
+`CPU_MAX_NUM_SEQS` elsewhere, so runs on the CPU stay deterministic.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from engine.config import ModelConfig
 from engine.errors import EngineError
 
 DEFAULT_CPU_CACHE_BYTES = 2 << 30
+MAX_AUTO_SEQS = 1024  # the most sequences an automatically sized engine runs at once
+CPU_MAX_NUM_SEQS = 64  # the automatic size off CUDA
+STATE_SHARE = 0.5  # of the budget, what automatically sized state slots may take; KV blocks get the rest
 
 
 @dataclass(frozen=True)
@@ -100,3 +106,27 @@ def plan_cache(
             f"and KV blocks (needs at least {need / 2**20:.1f} MiB); lower max_num_seqs or raise the budget"
         )
     return CachePlan(slots, scratch, int(blocks), block_size, per_slot, per_block, budget_bytes)
+
+
+def affordable_seqs(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    budget_bytes: int,
+    *,
+    max_model_len: int,
+    num_speculative_tokens: int = 0,
+    num_mtp_layers: int = 0,
+    block_size: int = 16,
+    max_prefixes: int = 4,
+    cap: int = MAX_AUTO_SEQS,
+) -> int:
+    """`max_num_seqs` sized from the budget: as many sequences as fit with their state and verify scratch
+    slots in STATE_SHARE of it, or more when the rest still holds each of them at `max_model_len` positions
+    (short contexts); at most `cap`, at least 1 (`plan_cache` then says when even that does not fit)."""
+    per_slot = slot_bytes(config, dtype) * (1 + num_speculative_tokens)
+    per_block = block_bytes(config, dtype, block_size, num_mtp_layers)
+    per_seq_kv = -(-(max_model_len + 2 * num_speculative_tokens) // block_size) * per_block
+    left = budget_bytes - max_prefixes * slot_bytes(config, dtype)
+    by_share = int(STATE_SHARE * left) // per_slot if per_slot else cap
+    at_full_length = left // (per_slot + per_seq_kv) if per_slot + per_seq_kv else cap
+    return max(1, min(cap, max(by_share, at_full_length)))

@@ -1,7 +1,7 @@
 """GPU benchmark: the engine against the memory roofline, the matrix rate and transformers (issue 5).
 
     python -m engine.bench [--preset qwen3.5-35b-a3b | --preset tiny | --model PATH]
-        [--workloads a,b,c,d,e,f,g] [--quick] [--max-seconds S] [--device cuda] [--dtype bfloat16]
+        [--workloads a,b,c,d,e,f,g,h,i,j] [--quick] [--max-seconds S] [--device cuda] [--dtype bfloat16]
         [--kv-cache-gib G] [--json PATH]
     enclave bench ...   (the same arguments)
 
@@ -17,10 +17,15 @@ and the percentage of the roofline that is:
     (e) long context: a 131,072-token prompt, its prefill and the decode rate at that context
     (f) MTP verify step with k = 1, 2, 3 against a plain decode step at batch 1 (time ratio)
     (g) transformers' Qwen3_5MoeForCausalLM, same geometry and random weights, for (a) and (b, 64)
+    (h)-(j) vLLM's published H200 runs (Qwen3.5-35B-A3B-FP8), their shapes through Engine.submit, each
+        against vLLM's figure: (h) 1,000 x 1,024+128 at 512 concurrent (50,465 total tok/s); (i) 100 x
+        32,000+100, all submitted (56,424 total tok/s); (j) 1,000 x 1,000+2,000 at 200 concurrent (8,146
+        output tok/s)
 
 Workloads (a)-(c), (e) and (f) drive an `EngineCore` directly, so each step is timed on its own (the
-first decode steps of each run are left untimed: compiles, graph captures); (d) goes through the engine's
-loop thread as the pipeline does; (g) runs after our model is freed. `--quick` shrinks every workload.
+first decode steps of each run are left untimed: compiles, graph captures); (d) and (h)-(j) go through the
+engine's loop thread as the pipeline does, with at most their concurrency in flight (the next request
+submitted when one finishes); (g) runs after our model is freed. `--quick` shrinks every workload.
 Each measurement (each batch size of (b), each k of (f)) stops at `--max-seconds` and reports what it
 measured so far; one that fails (out of memory, say) is recorded as its error and the run goes on.
 """
@@ -56,7 +61,7 @@ from engine.model.model import CausalLM
 log = logging.getLogger(__name__)
 
 DEFAULT_JSON = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "bench.json"
-WORKLOADS = "abcdefg"
+WORKLOADS = "abcdefghij"
 
 
 def load(
@@ -108,12 +113,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     sizes = replace(QUICK if args.quick else Sizes(), **({"batches": args.batches} if args.batches else {}))
+    kv_cache_bytes = int((args.kv_cache_gib or (40 if device.type == "cuda" else 1)) * GIB)
     settings = Settings(
         max_seconds=args.max_seconds,
-        kv_cache_bytes=int((args.kv_cache_gib or (40 if device.type == "cuda" else 1)) * GIB),
+        kv_cache_bytes=kv_cache_bytes,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
+        # (h)-(j) on CUDA: the engine's own budget, as a server sizes it, unless --kv-cache-gib says.
+        serve_kv_cache_bytes=None if device.type == "cuda" and not args.kv_cache_gib else kv_cache_bytes,
     )
     bandwidth, matmul = measure_device(device, dtype, args.quick)
     say(f"building {args.model or args.preset} on {device} as {dtype}")
@@ -194,10 +202,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", help="default: cuda when available")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on cuda, else float32")
     parser.add_argument(
-        "--kv-cache-gib", type=float, help="cache budget of each workload (default 40 on cuda)"
+        "--kv-cache-gib",
+        type=float,
+        help="cache budget of each workload (default 40 on cuda; (h)-(j): what the engine plans)",
     )
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="of workload (d)")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=256,
+        help="of workload (d) ((h), (j): their concurrency; (i): the engine's plan)",
+    )
     parser.add_argument("--batches", type=_sizes, help="batch sizes of (b) (default 16,64,256)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

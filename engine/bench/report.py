@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine.bench.serving import PEERS, peer_metric
 from engine.bench.traffic import ParamCounts
 from engine.config import ModelConfig
 
@@ -118,23 +119,48 @@ def print_table(report: dict[str, Any]) -> None:
         f"{_count(c['params']['active_per_token_batch_1'])} of {_count(c['params']['total'])} | "
         f"expert load {load_text(report['expert_load'])}"
     )
+    workloads = report["workloads"]
     print(f"{'workload':<28} {'tok/s':>10} {'MB/token':>10} {'roofline tok/s':>14} {'% roofline':>10}  notes")
-    for letter, points in report["workloads"].items():
+    for letter, points in workloads.items():
         if isinstance(points, dict):  # skipped or failed as a whole
             print(f"({letter}) {points.get('skipped') or points.get('error')}")
+            continue
+        if letter in PEERS:
             continue
         for p in points:
             name = f"({letter}) {p['label']}"[:28]
             per_token = p.get("bytes_per_token", {}).get("total")
-            note = p.get("error") or p.get("skipped") or p.get("note", "")
-            if p.get("capped") and "time cap" not in note:
-                note += " (time cap)"
+            note = _note(p)
             print(
                 f"{name:<28} {_num(p.get('tokens_per_s'), ',.1f'):>10} "
                 f"{_num(per_token and per_token / 1e6, ',.2f'):>10} "
                 f"{_num(p.get('roofline_tokens_per_s'), ',.1f'):>14} "
                 f"{_num(p.get('pct_of_roofline'), '.2f', '%'):>10}  {note}"
             )
+    _print_peers({k: v for k, v in workloads.items() if k in PEERS and isinstance(v, list)})
+
+
+def _print_peers(peers: dict[str, list[dict[str, Any]]]) -> None:
+    """(h)-(j): total and output tok/s, wall time, and the ratio to vLLM's published figure."""
+    if peers:
+        print(
+            f"{'vLLM-shaped workload':<28} {'total tok/s':>11} {'output tok/s':>12} {'wall s':>8} "
+            f"{'vLLM H200':>16} {'vs vLLM':>8}  notes"
+        )
+    for letter, points in peers.items():
+        peer = f"{PEERS[letter][2]:,.0f} {peer_metric(letter)}"
+        for p in points:
+            name = f"({letter}) {p['label']}"[:28]
+            print(
+                f"{name:<28} {_num(p.get('tokens_per_s'), ',.0f'):>11} "
+                f"{_num(p.get('output_tokens_per_s'), ',.0f'):>12} {_num(p.get('wall_s'), ',.1f'):>8} "
+                f"{peer:>16} {_num(p.get('vs_vllm'), '.2f', 'x'):>8}  {_note(p)}"
+            )
+
+
+def _note(p: dict[str, Any]) -> str:
+    note = p.get("error") or p.get("skipped") or p.get("note", "")
+    return note + (" (time cap)" if p.get("capped") and "time cap" not in note else "")
 
 
 def _count(n: float) -> str:

@@ -13,6 +13,17 @@ GIB = 1 << 30
 
 
 @dataclass(frozen=True)
+class Served:
+    """A served workload: `requests` random prompts of `prompt_len` tokens, each generating `new` tokens, with
+    at most `concurrency` in flight (None: all submitted at once, the engine's scheduler decides)."""
+
+    requests: int
+    prompt_len: int
+    new: int
+    concurrency: int | None = None
+
+
+@dataclass(frozen=True)
 class Sizes:
     """How big each workload is; `QUICK` shrinks them so a full run takes minutes on the reference path."""
 
@@ -30,6 +41,10 @@ class Sizes:
     long_steps: int = 16
     verify_prompt: int = 512
     verify_steps: int = 32
+    # (h)-(j): the shapes of vLLM's published H200 runs
+    peer_h: Served = Served(1000, 1024, 128, 512)
+    peer_i: Served = Served(100, 32000, 100)
+    peer_j: Served = Served(1000, 1000, 2000, 200)
 
 
 QUICK = Sizes(
@@ -46,6 +61,9 @@ QUICK = Sizes(
     long_steps=4,
     verify_prompt=64,
     verify_steps=8,
+    peer_h=Served(48, 128, 16, 16),
+    peer_i=Served(6, 2048, 8),
+    peer_j=Served(32, 64, 48, 8),
 )
 
 
@@ -58,3 +76,4 @@ class Settings:
     max_num_batched_tokens: int
     max_num_seqs: int  # of workload (d)
     seed: int
+    serve_kv_cache_bytes: int | None = None  # of (h)-(j); None: the engine's own budget from free memory

@@ -1,22 +1,19 @@
-"""Workloads (a)-(f): single stream, batch decode, prefill, documents, long context and MTP verify."""
+"""Workloads (a)-(f): single stream, batch decode, prefill, documents, long context and MTP verify (the last
+through `Engine.submit`, with the peer-shaped (h)-(j), in `serving`)."""
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
-from concurrent.futures import wait
 from typing import Any
 
-from engine.bench.device import free, sync
+from engine.bench.device import free
 from engine.bench.harness import Bench, decode_point
 from engine.bench.measure import guarded
+from engine.bench.serving import documents, peer
 from engine.bench.settings import WARMUP_STEPS
-from engine.bench.traffic import StepBytes, prefill_bytes, roofline, step_bytes
-from engine.cache import block_bytes, slot_bytes
-from engine.engine import Engine
+from engine.bench.traffic import prefill_bytes, roofline, step_bytes
 from engine.runner import Drafter
-from engine.sampling import SamplingParams
 from engine.sequence import Sequence
 
 
@@ -96,89 +93,6 @@ def prefill(b: Bench) -> list[dict[str, Any]]:
         return point
 
     return [guarded(f"{n} x {length}", measure)]
-
-
-def documents(b: Bench) -> list[dict[str, Any]]:
-    """(d) many requests through Engine.submit and its loop thread, as the pipeline sends them."""
-    s = b.sizes
-    return [
-        guarded(
-            f"{s.docs} x {s.doc_prompt}+{s.doc_new}", lambda: _documents(b, s.docs, s.doc_prompt, s.doc_new)
-        )
-    ]
-
-
-def _documents_engine(b: Bench, prompt_len: int, new: int) -> Engine:
-    return Engine(
-        b.model,
-        b.config,
-        None,
-        b.device,
-        b.dtype,
-        max_num_seqs=b.settings.max_num_seqs,
-        max_num_batched_tokens=b.settings.max_num_batched_tokens,
-        max_model_len=prompt_len + new + 8,
-        kv_cache_memory=b.settings.kv_cache_bytes,
-        max_prefixes=0,
-    )
-
-
-def _documents(b: Bench, n: int, prompt_len: int, new: int) -> dict[str, Any]:
-    # Untimed first: a few documents on an engine of the same settings, so the prefill chunks of several
-    # sequences, mixed prefill + decode steps and small decode graphs compile outside the measurement (a
-    # server compiles them once, at its first requests).
-    warm = _documents_engine(b, prompt_len, new)
-    per_step = max(1, b.settings.max_num_batched_tokens // prompt_len)
-    warm_params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    for future in [warm.submit(p, warm_params) for p in b.prompts(min(n, 2 * per_step + 4), prompt_len)]:
-        future.result()
-    warm.close()
-    del warm
-    free(b.device)
-    deadline = b.deadline()
-    engine = _documents_engine(b, prompt_len, new)
-    try:
-        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-        prompts = b.prompts(n, prompt_len)
-        sync(b.device)
-        start = time.perf_counter()
-        futures = [engine.submit(p, params) for p in prompts]
-        finished, pending = wait(futures, timeout=max(0.0, deadline - time.perf_counter()))
-        engine.close()  # with requests pending (time cap), they fail after the step in progress
-        sync(b.device)
-        wall = time.perf_counter() - start
-        stats = engine.stats()
-    finally:
-        engine.close()
-    total = stats.prompt_tokens + stats.generated_tokens
-    point = {
-        "requests": n,
-        "completed": sum(1 for f in finished if f.exception() is None),
-        "prompt_len": prompt_len,
-        "max_tokens": new,
-        "max_num_seqs": b.settings.max_num_seqs,
-        "wall_s": wall,
-        "steps": stats.steps,
-        "prompt_tokens": stats.prompt_tokens,
-        "generated_tokens": stats.generated_tokens,
-        "tokens_per_s": total / wall,
-        "output_tokens_per_s": stats.generated_tokens / wall,
-        "preemptions": stats.num_preemptions,
-        "capped": bool(pending),
-    }
-    if stats.steps and total:
-        # Estimate: each step reads the weights its tokens touch; each output token reads its context's KV.
-        kv_position = block_bytes(b.config, b.dtype, 1, 0)
-        bytes_ = StepBytes(
-            weights=stats.steps * b.counts.active_bytes(total / stats.steps, b.dtype.itemsize),
-            kv=(stats.generated_tokens * (prompt_len + new / 2) + stats.prompt_tokens) * kv_position,
-            state=(stats.generated_tokens + n) * 2 * slot_bytes(b.config, b.dtype),
-        )
-        point |= roofline(bytes_, total, point["tokens_per_s"], b.bandwidth)
-    point["note"] = (
-        f"output {point['output_tokens_per_s']:,.0f} tok/s; {point['completed']}/{n} done in {wall:.1f} s"
-    )
-    return point
 
 
 def long_context(b: Bench) -> list[dict[str, Any]]:
@@ -284,4 +198,7 @@ RUNNERS: dict[str, tuple[str, Callable[[Bench], list[dict[str, Any]]]]] = {
     "d": ("documents", documents),
     "e": ("long context", long_context),
     "f": ("MTP verify vs plain step", mtp_verify),
+    "h": ("vLLM's 1,024 in / 128 out at 512 concurrent", peer("h")),
+    "i": ("vLLM's 32,000 in / 100 out", peer("i")),
+    "j": ("vLLM's 1,000 in / 2,000 out at 200 concurrent", peer("j")),
 }

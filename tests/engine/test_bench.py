@@ -154,3 +154,118 @@ def test_quantize_model_converts_the_dense_projections():
         # e4m3 weights and per-token-group e4m3 activations: a few percent relative error per projection.
         err = ((module(x[name]) - expected).norm() / expected.norm()).item()
         assert 0 < err < 0.06, (name, err)
+
+
+def test_peer_shaped_workloads_run_quick_and_their_tokens_add_up(tmp_path, capsys):
+    from engine.bench.serving import PEERS
+    from engine.bench.settings import QUICK
+
+    path = tmp_path / "bench.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--quick", "--workloads", "h,i,j"]
+    assert bench.main([*argv, "--max-seconds", "120", "--json", str(path)]) == 0
+
+    report = json.loads(path.read_text())
+    assert set(report["workloads"]) == {"h", "i", "j"}
+    figures = {
+        "h": ("tokens_per_s", 50_465),
+        "i": ("tokens_per_s", 56_424),
+        "j": ("output_tokens_per_s", 8_146),
+    }
+    for letter, (metric, figure) in figures.items():
+        (p,) = report["workloads"][letter]
+        shape = getattr(QUICK, PEERS[letter][0])
+        assert "error" not in p and not p["capped"], p
+        assert p["requests"] == p["submitted"] == p["completed"] == shape.requests
+        assert (p["prompt_len"], p["max_tokens"], p["concurrency"]) == (
+            shape.prompt_len,
+            shape.new,
+            shape.concurrency,
+        )
+        # ignore_eos: every request generates its full length.
+        assert p["prompt_tokens"] == shape.requests * shape.prompt_len
+        assert p["output_tokens"] == shape.requests * shape.new
+        assert p["total_tokens"] == p["prompt_tokens"] + p["output_tokens"]
+        # No preemption in a cache this size: the engine computed exactly these tokens.
+        assert p["preemptions"] == 0
+        assert (p["computed_prompt_tokens"], p["computed_output_tokens"]) == (
+            p["prompt_tokens"],
+            p["output_tokens"],
+        )
+        assert p["tokens_per_s"] == pytest.approx(p["total_tokens"] / p["wall_s"])
+        assert p["output_tokens_per_s"] == pytest.approx(p["output_tokens"] / p["wall_s"])
+        assert p["vllm"]["metric"] == metric and p["vllm"]["figure"] == figure
+        assert p["vs_vllm"] == pytest.approx(p[metric] / figure)
+        # (h) and (j): the engine runs as many as the client keeps in flight; (i): the CPU's default.
+        assert p["max_num_seqs"] == (shape.concurrency or 64)
+    assert report["configuration"]["sizes"]["peer_h"] == {
+        "requests": QUICK.peer_h.requests,
+        "prompt_len": QUICK.peer_h.prompt_len,
+        "new": QUICK.peer_h.new,
+        "concurrency": QUICK.peer_h.concurrency,
+    }
+    table = capsys.readouterr().out
+    assert "total tok/s" in table and "output tok/s" in table and "vs vLLM" in table
+    assert f"(h) {report['workloads']['h'][0]['label']}" in table and "50,465 total" in table
+    assert "8,146 output" in table
+
+
+class SlowEngine:
+    """Stands in for `Engine.submit`: finishes requests in order on its own thread (or never), counting
+    those in flight."""
+
+    def __init__(self, finish: bool = True) -> None:
+        import queue
+        import threading
+
+        self.lock = threading.Lock()
+        self.in_flight = self.most = self.submitted = 0
+        self.queue: queue.Queue = queue.Queue()
+        if finish:
+            threading.Thread(target=self._finish, daemon=True).start()
+
+    def submit(self, prompt, params):
+        from concurrent.futures import Future
+
+        future = Future()
+        with self.lock:
+            self.in_flight += 1
+            self.submitted += 1
+            self.most = max(self.most, self.in_flight)
+        self.queue.put((prompt, future))
+        return future
+
+    def _finish(self) -> None:
+        import time
+
+        while True:
+            prompt, future = self.queue.get()
+            time.sleep(0.005)
+            with self.lock:
+                self.in_flight -= 1
+            future.set_result(prompt)
+
+
+@pytest.mark.parametrize(("requests", "concurrency"), [(30, 1), (40, 7), (5, 8)])
+def test_submit_all_keeps_at_most_the_concurrency_in_flight(requests, concurrency):
+    import time
+    from concurrent.futures import wait
+
+    from engine.bench.serving import submit_all
+
+    engine = SlowEngine()
+    prompts = [[i] for i in range(requests)]
+    futures = submit_all(engine, prompts, None, concurrency, time.perf_counter() + 60)
+    wait(futures, timeout=60)
+    assert [f.result() for f in futures] == prompts
+    assert engine.most <= concurrency
+
+
+@pytest.mark.parametrize(("concurrency", "submitted"), [(3, 3), (None, 20)])
+def test_submit_all_stops_at_the_deadline_with_the_concurrency_in_flight(concurrency, submitted):
+    import time
+
+    from engine.bench.serving import submit_all
+
+    engine = SlowEngine(finish=False)  # nothing ever finishes: only a limit holds requests back
+    futures = submit_all(engine, [[i] for i in range(20)], None, concurrency, time.perf_counter() + 0.2)
+    assert len(futures) == engine.submitted == submitted

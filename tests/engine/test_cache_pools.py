@@ -8,7 +8,14 @@ from engine.cache import ModelCache, block_bytes, slot_bytes
 from engine.config import config_from_dict
 from engine.errors import EngineError
 from engine.kernels.layout import SHORT_QUERY, SeqLayout
-from engine.planner import DEFAULT_CPU_CACHE_BYTES, activation_bytes, memory_budget, plan_cache
+from engine.planner import (
+    DEFAULT_CPU_CACHE_BYTES,
+    MAX_AUTO_SEQS,
+    activation_bytes,
+    affordable_seqs,
+    memory_budget,
+    plan_cache,
+)
 from tests.engine.factories import BASE
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -201,6 +208,44 @@ def test_a_budget_too_small_for_the_slots_is_refused():
         plan_cache(c, torch.float32, enough - 1, max_num_seqs=2, max_model_len=64, max_prefixes=2)
     with pytest.raises(EngineError, match="lower max_num_seqs"):
         plan_cache(c, torch.float32, 1000, max_num_seqs=64, max_model_len=64)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_automatic_max_num_seqs_gives_state_slots_half_the_budget_at_long_contexts(k):
+    c = small_config()
+    per_slot, per_block = slot_bytes(c, torch.float32), block_bytes(c, torch.float32, 16, 0)
+    budget = 1000 * per_slot + 3 * per_slot // 4  # half of it: 500 slots and a bit
+    n = affordable_seqs(
+        c, torch.float32, budget, max_model_len=1 << 20, num_speculative_tokens=k, max_prefixes=0
+    )
+    assert n == 500 // (1 + k)  # each sequence's verify scratch slots count against it
+    plan = plan_cache(
+        c,
+        torch.float32,
+        budget,
+        max_num_seqs=n,
+        max_model_len=1 << 20,
+        num_speculative_tokens=k,
+        max_prefixes=0,
+    )
+    assert plan.total_slots * per_slot <= budget / 2 and 0 <= budget - plan.nbytes < per_block  # the rest: KV
+
+
+def test_automatic_max_num_seqs_takes_more_when_every_sequence_fits_at_full_length():
+    c = small_config()
+    per_slot, per_block = slot_bytes(c, torch.float32), block_bytes(c, torch.float32, 16, 0)
+    budget = 300 * (per_slot + per_block) + 2 * per_slot  # 300 sequences of 16 positions, 2 prefixes
+    n = affordable_seqs(c, torch.float32, budget, max_model_len=16, max_prefixes=2)
+    assert n == 300 > (budget // 2) // per_slot
+    plan = plan_cache(c, torch.float32, budget, max_num_seqs=n, max_model_len=16, max_prefixes=2)
+    assert plan.num_blocks >= 300  # each of them holds its full context
+
+
+def test_automatic_max_num_seqs_is_capped_and_at_least_one():
+    c = small_config()
+    assert affordable_seqs(c, torch.float32, 1 << 40, max_model_len=4096) == MAX_AUTO_SEQS
+    assert affordable_seqs(c, torch.float32, 1 << 40, max_model_len=4096, cap=77) == 77
+    assert affordable_seqs(c, torch.float32, 10, max_model_len=4096) == 1
 
 
 def test_activation_bytes_is_linear_in_tokens_plus_three_fp32_logit_rows():

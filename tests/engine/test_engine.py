@@ -22,6 +22,11 @@ def test_chunked_prefill_and_small_groups_equal_whole(demo_dir, demo_engine):
     assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == whole
 
 
+def test_max_num_seqs_left_to_the_engine_is_fixed_off_cuda(demo_engine):
+    # On CUDA it is sized from the cache plan (planner.affordable_seqs); on the CPU it stays 64.
+    assert demo_engine.max_num_seqs == demo_engine.core.scheduler.max_num_seqs == 64
+
+
 def test_text_prompts_and_chat(demo_engine):
     text = demo_engine.generate("Summarise the note.", SamplingParams(max_tokens=5, temperature=0))[0]
     assert text.prompt == "Summarise the note." and text.prompt_token_ids == demo_engine.tokenizer.encode(
