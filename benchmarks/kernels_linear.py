@@ -51,6 +51,10 @@ def sweep_candidates():
     from engine.kernels.linear.triton import LinearTiles
 
     return [
+        LinearTiles(block_n=4, k_bytes=1024),  # long K steps for one-byte weights
+        LinearTiles(block_n=8, k_bytes=2048),
+        LinearTiles(block_n=2, k_bytes=2048),
+        LinearTiles(block_n=4, k_bytes=2048, num_warps=8),
         LinearTiles(),  # the default: 8 rows, 1 KB of each per step, split K to ~4 programs per SM
         LinearTiles(block_n=4),
         LinearTiles(block_n=16),
@@ -131,17 +135,22 @@ def run_point(name: str, k: int, n: int, m: int, w: dict, flush: torch.Tensor) -
     def gemm_fp8():
         return fp8_triton.fp8_block_gemm(x, w["fp8"], w["scale"], None, BLOCK)
 
+    def kernel_fp8q():  # x quantised by its own launch first, then FP8Q_TILES
+        return linear_triton.fp8_linear(x, w["fp8"], w["scale"], None, BLOCK, prequantize=True)
+
     expected = F.linear(x.float(), w["bf16"].float())
     expected_fp8 = fp8_reference.fp8_block_linear(x.float(), w["fp8"], w["scale"], None, BLOCK)
     point["rel_error"] = relative(kernel(), expected)
     point["rel_error_fp8"] = relative(kernel_fp8(), expected_fp8)
-    point["ok"] = point["rel_error"] < REL_TOL and point["rel_error_fp8"] < REL_TOL
+    point["rel_error_fp8q"] = relative(kernel_fp8q(), expected_fp8) if m <= linear_triton.FP8_MAX_ROWS else 0
+    point["ok"] = max(point["rel_error"], point["rel_error_fp8"], point["rel_error_fp8q"]) < REL_TOL
     bytes_bf16, bytes_fp8 = n * k * 2, n * k + w["scale"].numel() * 4
     for key, fn, moved in (
         ("triton", kernel, bytes_bf16),
         ("cublas", cublas, bytes_bf16),
         ("triton_fp8", kernel_fp8, bytes_fp8),
         ("gemm_fp8", gemm_fp8, bytes_fp8),
+        *((("triton_fp8q", kernel_fp8q, bytes_fp8),) if m <= linear_triton.FP8_MAX_ROWS else ()),
     ):
         us = device_us(fn, flush)
         point[key] = {"us": us, "gb_per_s": moved / us / 1e3 if us > 0 else None}
@@ -156,11 +165,15 @@ def sweep(name: str, k: int, n: int, m: int, w: dict, flush: torch.Tensor) -> di
     rows = []
     for tiles in sweep_candidates():
         row = {"tiles": vars(tiles)}
-        for key, args in (("bf16", (w["bf16"], None, None)), ("fp8", (w["fp8"], w["scale"], BLOCK))):
+        for key, args in (
+            ("bf16", (w["bf16"], None, None, False)),
+            ("fp8", (w["fp8"], w["scale"], BLOCK, False)),
+            ("fp8q", (w["fp8"], w["scale"], BLOCK, True)),
+        ):
 
             def call(args=args, tiles=tiles):
-                weight, scale, block = args
-                return linear_triton.run_kernel(x, weight, scale, None, block, tiles)
+                weight, scale, block, pre = args
+                return linear_triton.run_kernel(x, weight, scale, None, block, tiles, pre)
 
             try:
                 row[key] = device_us(call, flush)
@@ -169,7 +182,7 @@ def sweep(name: str, k: int, n: int, m: int, w: dict, flush: torch.Tensor) -> di
                 print(f"  skip {name} M={m} {tiles} {key}: {type(e).__name__}: {e}", flush=True)
         rows.append(row)
     best = {}
-    for key in ("bf16", "fp8"):
+    for key in ("bf16", "fp8", "fp8q"):
         timed = [r for r in rows if r[key] is not None]
         if timed:
             top = min(timed, key=lambda r: r[key])
@@ -182,7 +195,10 @@ def print_table(points: list[dict], device: str) -> None:
         f"\nDense linear on {device}: device us per call (GB/s of weight bytes), L2 flushed before each call"
     )
     head = f"{'shape':>13} {'K':>5} {'N':>6} {'M':>3} | {'bf16 triton':>17} {'cuBLAS':>17} {'x':>5}"
-    print(head + f" | {'fp8 triton':>17} {'quant+GEMM':>17} {'x':>5} | {'err':>7} {'err8':>7}")
+    print(
+        head
+        + f" | {'fp8 triton':>17} {'quant+GEMM':>17} {'x':>5} | {'fp8 prequant':>17} | {'err':>7} {'err8':>7}"
+    )
 
     def cell(t: dict) -> str:
         return f"{t['us']:7.2f} ({t['gb_per_s'] or 0:6.0f})"
@@ -195,6 +211,7 @@ def print_table(points: list[dict], device: str) -> None:
             f"{p['shape']:>13} {p['k']:>5} {p['n']:>6} {p['rows']:>3} |"
             f" {cell(p['triton'])} {cell(p['cublas'])} {speed:5.2f} |"
             f" {cell(p['triton_fp8'])} {cell(p['gemm_fp8'])} {speed8:5.2f} |"
+            f" {cell(p['triton_fp8q']) if 'triton_fp8q' in p else '-':>17} |"
             f" {p['rel_error']:7.1e} {p['rel_error_fp8']:7.1e}{'' if p['ok'] else '  MISMATCH'}{mark}"
         )
     for p in points:

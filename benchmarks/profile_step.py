@@ -1,6 +1,7 @@
 """Where one engine step spends its time: torch.profiler over prefill and decode steps of a preset model.
 
     python benchmarks/profile_step.py [--preset qwen3.5-35b-a3b|tiny] [--out DIR] [--rows 25]
+        [--quantization fp8] [--cases prefill,decode1,decode64]
 
 For each case (a prefill step of 2 x 4096 prompt tokens, decode steps at batch 1 and 64) it prints the
 step's wall time, the device time the profiler saw, the number of kernel launches, and the ops that took
@@ -27,15 +28,19 @@ from engine.bench.presets import PRESETS, random_model
 from engine.bench.settings import GIB, QUICK, Settings
 from engine.bench.traffic import param_counts
 from engine.config import config_from_dict
+from engine.model.fp8_linear import quantize_model_
 
 
-def build(preset: str, device: torch.device, dtype: torch.dtype) -> Bench:
+def build(preset: str, device: torch.device, dtype: torch.dtype, quantization: str = "none") -> Bench:
     config = config_from_dict(PRESETS[preset](), source=f"preset {preset}")
     model = random_model(config, device, dtype, seed=0)
+    if quantization == "fp8":  # the dense projections and routed experts in block FP8, as the bench does
+        quantize_model_(model)
     settings = Settings(
         max_seconds=60.0, kv_cache_bytes=8 * GIB, max_num_batched_tokens=8192, max_num_seqs=64, seed=0
     )
-    return Bench(model, config, param_counts(config), device, dtype, QUICK, settings, 1.0, 1.0)
+    counts = param_counts(config, quantization)
+    return Bench(model, config, counts, device, dtype, QUICK, settings, 1.0, 1.0)
 
 
 def case(b: Bench, name: str, batch: int, prompt: int, decode: bool, rows: int, out: Path | None) -> dict:
@@ -88,10 +93,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--cases", default="prefill,decode1,decode64")
+    parser.add_argument("--quantization", choices=("none", "fp8"), default="none")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    b = build(args.preset, device, dtype)
+    b = build(args.preset, device, dtype, args.quantization)
     small = args.preset == "tiny" or device.type == "cpu"
     plans = {
         "prefill": (2, 512 if small else 4096, False),

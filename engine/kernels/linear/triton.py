@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX
-from engine.kernels.fp8.triton import quantize_rows
+from engine.kernels.fp8.triton import quantize_fp8_per_token_group, quantize_rows
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
 MAX_ROWS = 8  # token rows up to which `linear` takes this kernel
@@ -89,6 +89,9 @@ class LinearTiles:
 # weight byte and thread against 28 with the bf16 tiles).
 FP8_TILES = LinearTiles(block_n=32, k_bytes=256)
 WIDE_TILES = LinearTiles(block_n=4, k_bytes=2048)  # bf16 at up to WIDE_MAX_ROWS rows
+# FP8 with x quantised before the kernel: nothing is repeated per program, so the bf16 one-row shape of
+# narrow tiles with long K steps (2 KB = 16 scale groups of every row per step).
+FP8Q_TILES = LinearTiles(block_n=4, k_bytes=2048)
 
 
 @triton.jit
@@ -96,6 +99,7 @@ def _linear_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]; e4m3 with USE_FP8
     scale_ptr,  # [ceil(N/bn), ceil(K/bk)] fp32, read with USE_FP8
+    xs_ptr,  # [M, ceil(K/bk)] fp32 scales of x, read with X_QUANT (x is then e4m3)
     bias_ptr,  # [N], read with HAS_BIAS (and not USE_SPLIT)
     out_ptr,  # [M, N] in x's dtype; with USE_SPLIT [splits, M, N] fp32 partial sums
     n_size,
@@ -108,6 +112,8 @@ def _linear_kernel(
     stride_wk,
     stride_sn,
     stride_sk,
+    stride_xsm,
+    stride_xsk,
     stride_b,
     stride_os,
     stride_om,
@@ -121,6 +127,7 @@ def _linear_kernel(
     HAS_BIAS: tl.constexpr,
     USE_FP8: tl.constexpr,
     USE_SPLIT: tl.constexpr,
+    X_QUANT: tl.constexpr = False,  # with USE_FP8: x already quantised (e4m3, scales at xs_ptr)
     PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
     pdl_wait(PDL)
@@ -138,6 +145,7 @@ def _linear_kernel(
     w_ptrs += (k_begin + offs_k)[None, :, :] * stride_wk
     s_ptrs = scale_ptr + (offs_n // block_rows)[:, None] * stride_sn  # [BN, KG]
     s_ptrs += (k_begin // GROUP + offs_g)[None, :] * stride_sk
+    xs_ptrs = xs_ptr + (k_begin // GROUP + offs_g) * stride_xsk  # [KG] of row 0
     # [BN, KG, BM]: the sums over KG (across warps) wait until after the loop, and the rows sit where the
     # weight tile has its channels, so a row's [BN, KG] sums join the accumulator without a layout change.
     acc = tl.zeros([BLOCK_N, KG, BLOCK_M], dtype=tl.float32)
@@ -145,12 +153,15 @@ def _linear_kernel(
         k_mask = (offs_c[None, :] < GROUP) & (offs_k < k_end - k0)  # [KG, BC]
         w = tl.load(w_ptrs, mask=n_mask[:, None, None] & k_mask[None, :, :], other=0.0).to(tl.float32)
         w_scale = tl.zeros([BLOCK_N, KG], dtype=tl.float32)
+        g_mask = offs_g * GROUP < k_end - k0  # [KG]
         if USE_FP8:
-            g_mask = offs_g[None, :] * GROUP < k_end - k0
-            w_scale = tl.load(s_ptrs, mask=n_mask[:, None] & g_mask, other=0.0)
+            w_scale = tl.load(s_ptrs, mask=n_mask[:, None] & g_mask[None, :], other=0.0)
         for m in tl.static_range(ROWS):
             xm = tl.load(x_ptrs + m * stride_xm, mask=k_mask, other=0.0).to(tl.float32)  # [KG, BC]
-            if USE_FP8:  # one group per row, masked channels 0: as the reference quantiser
+            if X_QUANT:  # xm holds the e4m3 values; their scales come from the quantiser
+                x_scale = tl.load(xs_ptrs + m * stride_xsm, mask=g_mask, other=0.0)  # [KG]
+                sums = tl.sum(w * xm[None, :, :], 2) * w_scale * x_scale[None, :]
+            elif USE_FP8:  # one group per row, masked channels 0: as the reference quantiser
                 q, x_scale = quantize_rows(xm, _FP8_MAX, _AMAX_EPS)
                 sums = tl.sum(w * q[None, :, :], 2) * w_scale * x_scale[None, :]  # [BN, KG]
             else:
@@ -159,6 +170,7 @@ def _linear_kernel(
         x_ptrs += KG * GROUP * stride_xk
         w_ptrs += KG * GROUP * stride_wk
         s_ptrs += KG * stride_sk
+        xs_ptrs += KG * stride_xsk
     acc = tl.sum(acc, 1)  # [BN, BM]
     mask = n_mask[:, None] & (offs_m < ROWS)[None, :]
     out_ptrs = out_ptr + offs_n[:, None] * stride_on + offs_m[None, :] * stride_om
@@ -236,28 +248,36 @@ def run_kernel(
     bias: torch.Tensor | None,
     block: tuple[int, int] | None,
     tiles: LinearTiles,
+    prequantize: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x's dtype on the kernel at any M (`linear` and
     `fp8_linear` check `fits` first; benchmarks time it above MAX_ROWS); `scale` and `block` with e4m3
-    weights, else None."""
+    weights, else None. `prequantize` (FP8 only): quantise x once with the quantiser kernel instead of in
+    every program."""
     m, k = x.shape
     n = weight.shape[0]
+    out_dtype = x.dtype
     use_fp8 = scale is not None
     bn, bk = block if use_fp8 else (1, None)
+    x_quant = use_fp8 and prequantize
+    xs = x
+    if x_quant:
+        x, xs = quantize_fp8_per_token_group(x, bk)  # [M, K] e4m3, [M, ceil(K/bk)] fp32
     p = plan(m, n, k, weight.element_size(), bk, tiles, _sm_count(x.device))
     splits = p["splits"]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out[None]
     sn, sk = scale.stride() if use_fp8 else (0, 0)
+    xsm, xsk = xs.stride() if x_quant else (0, 0)
     stride_b = bias.stride(0) if bias is not None else 0
     _linear_kernel[(triton.cdiv(n, tiles.block_n), splits)](
-        x, weight, scale if use_fp8 else x, bias if bias is not None else x, part,
+        x, weight, scale if use_fp8 else x, xs, bias if bias is not None else out, part,
         n, k, p["k_split"], bn,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), sn, sk, stride_b,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), sn, sk, xsm, xsk, stride_b,
         part.stride(0), part.stride(1), part.stride(2),
         ROWS=m, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, **p["blocks"],
-        HAS_BIAS=bias is not None, USE_FP8=use_fp8, USE_SPLIT=splits > 1, num_warps=tiles.num_warps,
-        **pdl_launch(),
+        HAS_BIAS=bias is not None, USE_FP8=use_fp8, USE_SPLIT=splits > 1, X_QUANT=x_quant,
+        num_warps=tiles.num_warps, **pdl_launch(),
     )  # fmt: skip
     if splits > 1:
         _sum_splits_kernel[(m, triton.cdiv(n, _SUM_BLOCK))](
@@ -318,9 +338,11 @@ def fp8_linear(
     block: tuple[int, int] = (128, 128),
     *,
     tiles: LinearTiles | None = None,
+    prequantize: bool = False,
 ) -> torch.Tensor:
     """The W8A8 block-FP8 linear (`fp8.reference.fp8_block_linear`) for x that `fits` (up to FP8_MAX_ROWS
-    rows), x quantised per token and bk channels inside the kernel.
+    rows), x quantised per token and bk channels inside the kernel, or once before it with `prequantize`
+    (the quantiser kernel, then `FP8Q_TILES` by default: the same products and sums).
 
     Args:
         x: [..., K] fp16, bf16 or fp32.
@@ -330,11 +352,13 @@ def fp8_linear(
         bias: optional [N], any float dtype.
         block: (bn, bk), weight rows and channels per scale; any sizes.
         tiles: tile sizes; the defaults suit the real shapes on an H200.
+        prequantize: quantise x in its own launch first.
     Returns:
         [..., N] in x's dtype.
     """
     if not fits(x, weight, FP8_MAX_ROWS):
         raise ValueError(f"fp8_linear takes 1..{FP8_MAX_ROWS} rows of fp16/bf16/fp32 x; check `fits` first")
     k, n = x.shape[-1], weight.shape[0]
-    out = run_kernel(x.reshape(-1, k), weight, weight_scale_inv, bias, block, tiles or FP8_TILES)
+    tiles = tiles or (FP8Q_TILES if prequantize else FP8_TILES)
+    out = run_kernel(x.reshape(-1, k), weight, weight_scale_inv, bias, block, tiles, prequantize)
     return out.view(*x.shape[:-1], n)

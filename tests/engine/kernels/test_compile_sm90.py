@@ -750,9 +750,14 @@ def _linear_cases() -> list[Case]:
         ("bf16", "fp8e4nv", 8, QKVZ, HIDDEN, 0, True),
         ("bf16", "fp8e4nv", 1, HIDDEN, 4096, 2048, False),
         ("fp32", "fp32", 2, 257, HIDDEN, 512, False),
+        # x quantised before the kernel (X_QUANT: x e4m3 with its scales), FP8Q_TILES: 4 rows, 16 groups.
+        ("fp8e4nv", "fp8e4nv", 1, QKVZ, HIDDEN, 0, False),
+        ("fp8e4nv", "fp8e4nv", 1, HIDDEN, 4096, 2048, False),
     )
     for dt, w_dt, rows, n, k, k_split, bias in variants:
         fp8, split = w_dt == "fp8e4nv", k_split > 0
+        x_quant = dt == "fp8e4nv"
+        out_dt = "bf16" if x_quant else dt
         elem = {"bf16": 2, "fp8e4nv": 1, "fp32": 4}[w_dt]
         group = 128 if fp8 else 16 // elem
         cases.append(
@@ -764,8 +769,9 @@ def _linear_cases() -> list[Case]:
                     x_ptr=f"*{dt}",
                     w_ptr=f"*{w_dt}",
                     scale_ptr="*fp32" if fp8 else f"*{dt}",
-                    bias_ptr=f"*{dt}",
-                    out_ptr="*fp32" if split else f"*{dt}",
+                    xs_ptr="*fp32" if x_quant else f"*{dt}",
+                    bias_ptr=f"*{out_dt}",
+                    out_ptr="*fp32" if split else f"*{out_dt}",
                     n_size=n,
                     k_size=k,
                     k_split=k_split or k,
@@ -776,19 +782,22 @@ def _linear_cases() -> list[Case]:
                     stride_wk=1,
                     stride_sn=k // 128 if fp8 else 0,
                     stride_sk=1 if fp8 else 0,
+                    stride_xsm=k // 128 if x_quant else 0,
+                    stride_xsk=1 if x_quant else 0,
                     stride_b=1,
                     stride_os=rows * n,
                     stride_om=n,
                     stride_on=1,
                     ROWS=rows,
                     BLOCK_M=1 << (rows - 1).bit_length(),
-                    BLOCK_N=32 if fp8 else 8,
+                    BLOCK_N=4 if x_quant else 32 if fp8 else 8,
                     GROUP=group,
                     BLOCK_C=group,
-                    KG=2 if fp8 else 1024 // elem // group,
+                    KG=16 if x_quant else 2 if fp8 else 1024 // elem // group,
                     HAS_BIAS=bias,
                     USE_FP8=fp8,
                     USE_SPLIT=split,
+                    X_QUANT=x_quant,
                 ),
                 dict(num_warps=4),
             )

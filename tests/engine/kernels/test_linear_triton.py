@@ -171,6 +171,22 @@ def test_fp8_block_linear_small_m_matches_reference(m, n, k, block, dtype, nan_e
     )
 
 
+@pytest.mark.parametrize("m, n, k, block", FP8_SHAPES[::2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_linear_prequantized_matches_reference(m, n, k, block, dtype, nan_empty):
+    # x quantised by its own kernel first: the same e4m3 values and scales as inline, so the same tolerance.
+    x = fp8_activations(m, k, dtype, seed=m + k)
+    w, scale = fp8_weight(n, k, block, seed=n)
+    bias = rand(n, seed=1).to(dtype) if m % 2 else None
+    tiles = linear_triton.LinearTiles(block_n=4, k_bytes=64, split_k=2)  # several K steps and a split
+    for t in (tiles, None):
+        out = linear_triton.fp8_linear(x, w, scale, bias, block, tiles=t, prequantize=True)
+        assert out.dtype == dtype and out.shape == (m, n) and not out.isnan().any()
+        torch.testing.assert_close(
+            out, fp8_reference.fp8_block_linear(x, w, scale, bias, block), **FP8_TOL[dtype]
+        )
+
+
 @pytest.mark.parametrize("m", [1, linear_triton.FP8_PREFER_MAX_ROWS + 1])
 def test_fp8_block_linear_routes_by_rows(m, monkeypatch):
     # Up to FP8_PREFER_MAX_ROWS rows (and N) the weight-streaming kernel, above it the quantiser + GEMM.
@@ -224,6 +240,8 @@ def test_fp8_block_linear_real_shapes_gpu(k, n, m):
     out = fp8_triton.fp8_block_linear(x, w, scale)
     ref = fp8_reference.fp8_block_linear(x.float(), w, scale)
     torch.testing.assert_close(out.float(), ref, **FP8_TOL[torch.bfloat16])
+    pre = linear_triton.fp8_linear(x, w, scale, prequantize=True)
+    torch.testing.assert_close(pre.float(), ref, **FP8_TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
