@@ -6,6 +6,7 @@ worker drives. Nothing here touches the database, the broker or keys.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,7 +42,10 @@ __all__ = [
 
 
 def make_kind(name: str, params: Mapping[str, Any] | None = None) -> JobKind:
-    """The job kind `name` with its parameters validated; `JobParamError` for an unknown kind or parameter."""
-    if name not in KINDS:
-        raise JobParamError(f"unknown kind {name!r} (known: {', '.join(sorted(KINDS))})")
+    """The job kind `name` with its parameters validated; `JobParamError` (content-free: it never quotes a
+    name or value it was given) for an unknown kind or a bad parameter."""
+    if not isinstance(name, str) or name not in KINDS:
+        guess = difflib.get_close_matches(name, KINDS, 1) if isinstance(name, str) else []
+        hint = f"did you mean '{guess[0]}'? " if guess else ""
+        raise JobParamError(f"unknown kind ({hint}known: {', '.join(sorted(KINDS))})")
     return KINDS[name](params)

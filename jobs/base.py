@@ -4,6 +4,10 @@ A worker drives a kind per shard: `requests(doc, model)` for each document (a `D
 document alone, recorded with `failure(error)`), one `engine.generate` over all requests of the shard, then
 `result(doc, outputs)` with each document's outputs in request order.
 
+Reasons are content-free by construction: a `DocumentResult.error` (stored in clear, in the audit log too)
+is built from codes, JSON paths, offsets, sizes and counts only; the full message, which may quote the
+document, is `detail` and goes only into the result sealed to the submitter.
+
 The engine is imported lazily (it loads torch): the CLI validates parameters and batch files with `jobs`
 without paying for it.
 """
@@ -11,17 +15,22 @@ without paying for it.
 from __future__ import annotations
 
 import copy
+import difflib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from jobs.bounded_json import json_type
 from jobs.params import JobParamError
 
 if TYPE_CHECKING:
     from engine import Engine, RequestOutput, SamplingParams
 
 __all__ = [
+    "INVALID_REQUEST",
+    "MAX_REASON",
+    "PROCESSING_ERROR",
     "Document",
     "DocumentError",
     "DocumentResult",
@@ -32,12 +41,15 @@ __all__ = [
     "ModelInfo",
     "decode_text",
     "ensure_fits",
+    "one_line",
     "one_output",
     "usage_of",
 ]
 
+# Machine codes, as in OpenAI's error objects: bad request content, or anything else about a document.
+INVALID_REQUEST = "invalid_request_error"
 PROCESSING_ERROR = "processing_error"
-INVALID_REQUEST = "invalid_request"
+MAX_REASON = 200  # characters of a stored reason: it fits the audit log's string limit
 
 
 @dataclass(frozen=True)
@@ -67,14 +79,15 @@ class EngineRequest:
 
 @dataclass
 class DocumentResult:
-    """A document's outcome. `output` is JSON-serialisable; `error` is content-free; `raw` keeps model text
-    that could not be parsed (it goes only into the sealed result)."""
+    """A document's outcome. `output` is JSON-serialisable; `error` is the content-free reason (stored in
+    clear); `detail` the full message and `raw` the model text that could not be parsed, both sealed only."""
 
     status: str  # "done" | "failed"
     output: Any
     error: str | None = None
     raw: str | None = None
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
+    detail: str | None = None
 
 
 class ModelInfo(Protocol):
@@ -102,12 +115,19 @@ class EngineModel:
 
 
 class DocumentError(Exception):
-    """A document cannot be processed; the message is content-free. `code` is a machine reason
-    ("invalid_request" for bad request content, else "processing_error"), used by OpenAI batch output."""
+    """A document cannot be processed.
 
-    def __init__(self, message: str, code: str = PROCESSING_ERROR) -> None:
-        super().__init__(message)
+    `reason` (also `str(error)`) is content-free: codes, JSON paths, offsets, sizes, counts and JSON type
+    names only, never a substring of the input; it is made one line of at most `MAX_REASON` characters.
+    `code` is the machine code (`INVALID_REQUEST` for bad request content, else `PROCESSING_ERROR`), used by
+    the OpenAI batch output. `detail` is the full message, which may quote content: it is sealed only.
+    """
+
+    def __init__(self, reason: str, code: str = PROCESSING_ERROR, *, detail: str | None = None) -> None:
+        self.reason = one_line(reason, MAX_REASON)
+        super().__init__(self.reason)
         self.code = code
+        self.detail = detail
 
 
 class JobKind(ABC):
@@ -117,13 +137,15 @@ class JobKind(ABC):
     param_names: ClassVar[tuple[str, ...]]
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        if params is not None and not isinstance(params, Mapping):
+            raise JobParamError(f"parameters must be an object, not {json_type(params)}")
         given = {key: value for key, value in (params or {}).items() if value is not None}
-        unknown = sorted(set(given) - set(self.param_names))
-        if unknown:
-            raise JobParamError(
-                f"unknown parameter '{unknown[0]}' for kind '{self.name}' "
-                f"(known: {', '.join(sorted(self.param_names))})"
-            )
+        known = ", ".join(sorted(self.param_names))
+        for key in given:
+            if not isinstance(key, str) or key not in self.param_names:
+                guess = difflib.get_close_matches(key, self.param_names, 1) if isinstance(key, str) else []
+                hint = f"did you mean '{guess[0]}'? " if guess else ""
+                raise JobParamError(f"unknown parameter for kind '{self.name}' ({hint}known: {known})")
         self._params = self.parse_params(given)
 
     @abstractmethod
@@ -144,8 +166,9 @@ class JobKind(ABC):
         """The document's result from the outputs of its requests, in request order."""
 
     def failure(self, error: DocumentError) -> DocumentResult:
-        """The result recorded for a document whose `requests` raised `error`."""
-        return DocumentResult(status="failed", output=None, error=str(error))
+        """The result recorded for a document whose `requests` raised `error`: its reason in clear, its
+        detail sealed."""
+        return DocumentResult(status="failed", output=None, error=error.reason, detail=error.detail)
 
     def instructed_request(self, model: ModelInfo, instructions: str, text: str) -> EngineRequest:
         """The one-prompt request of most kinds: `instructions` (plus the job's optional `instructions`
@@ -165,6 +188,12 @@ class JobKind(ABC):
         keys = ("max_tokens", "temperature", "top_p", "seed")
         values = {key: self._params[key] for key in keys if key in self._params}
         return SamplingParams(**values)
+
+
+def one_line(text: str, limit: int) -> str:
+    """`text` on one line (whitespace runs become one space), cut to at most `limit` characters."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def decode_text(doc: Document) -> str:

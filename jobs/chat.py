@@ -5,13 +5,14 @@ text or token ids). Body fields read: max_completion_tokens or max_tokens (defau
 parameter, 256, lowered to what the context leaves), temperature (default 1, as OpenAI), top_p, seed, stop,
 n (must be 1), model (echoed; default "enclave"). Others are ignored.
 
-A failed document's result carries its machine code in `output`: `{"code": "invalid_request"}` for bad
-request content or an unsupported url, `{"code": "processing_error"}` otherwise; `output_line` reads it.
+A failed document's result carries its machine code in `output`: `{"code": "invalid_request_error"}` for
+bad request content or an unsupported url, `{"code": "processing_error"}` otherwise; `output_line` reads
+it. Reasons name JSON paths (`body.messages[0].content`) and types, never what the line says; the full
+message goes into the sealed `detail`.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,9 @@ from jobs.base import (
     one_output,
     usage_of,
 )
-from jobs.params import take_int
+from jobs.bounded_json import json_type
+from jobs.openai_batch import BadLine, parse_line
+from jobs.params import MAX_TOKENS_LIMIT, SEED_RANGE, take_int
 
 if TYPE_CHECKING:
     from engine import RequestOutput, SamplingParams
@@ -45,11 +48,15 @@ class Chat(JobKind):
     param_names = ("max_tokens",)
 
     def parse_params(self, params: dict[str, Any]) -> dict[str, Any]:
-        return {"max_tokens": take_int(params, "max_tokens", DEFAULT_MAX_TOKENS, minimum=1)}
+        return {
+            "max_tokens": take_int(
+                params, "max_tokens", DEFAULT_MAX_TOKENS, minimum=1, maximum=MAX_TOKENS_LIMIT
+            )
+        }
 
     def requests(self, doc: Document, model: ModelInfo) -> list[EngineRequest]:
         url, body = _request(doc)
-        if body.get("n") not in (None, 1):
+        if not (body.get("n") is None or (type(body["n"]) is int and body["n"] == 1)):
             raise _invalid("body.n must be 1: Enclave returns one choice per request")
         if url == CHAT_URL:
             prompt: str | list[int] = _render(body.get("messages"), model)
@@ -66,6 +73,8 @@ class Chat(JobKind):
         out, usage = one_output(outputs), usage_of(outputs)
         text = out.text or ""
         name = body.get("model") if isinstance(body.get("model"), str) else "enclave"
+        if not name.isascii() and not _encodes(name):
+            name = "enclave"
         choice: dict[str, Any] = {"index": 0}
         if url == CHAT_URL:
             response = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion"}
@@ -78,7 +87,9 @@ class Chat(JobKind):
         return DocumentResult(status="done", output=response, usage=usage)
 
     def failure(self, error: DocumentError) -> DocumentResult:
-        return DocumentResult(status="failed", output={"code": error.code}, error=str(error))
+        return DocumentResult(
+            status="failed", output={"code": error.code}, error=error.reason, detail=error.detail
+        )
 
     def _max_tokens(self, body: dict[str, Any], prompt_tokens: int, context: int) -> int:
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -89,41 +100,49 @@ class Chat(JobKind):
                 raise _invalid(f"prompt has {prompt_tokens} tokens; the model's context is {context}")
             return min(self._params["max_tokens"], room)
         if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
-            raise _invalid(f"body.{key} must be a positive integer")
+            raise _invalid(f"body.{key} must be a positive integer, not {_what(asked)}")
         if asked > room:
             raise _invalid(
-                f"prompt has {prompt_tokens} tokens; with {key}={asked} it needs {prompt_tokens + asked}, "
-                f"the model's context is {context}"
+                f"prompt has {prompt_tokens} tokens; with body.{key} it needs more than the model's "
+                f"context of {context}",
+                detail=f"{key}={asked} with a prompt of {prompt_tokens} tokens needs {prompt_tokens + asked}",
             )
         return asked
 
 
-def _invalid(message: str) -> DocumentError:
-    return DocumentError(message, code=INVALID_REQUEST)
+def _invalid(reason: str, detail: str | None = None) -> DocumentError:
+    return DocumentError(reason, code=INVALID_REQUEST, detail=detail)
+
+
+def _what(value: Any) -> str:
+    """A content-free description of a JSON value: its type, and its length for a string."""
+    if isinstance(value, str):
+        return f"a {len(value)}-character string"
+    return json_type(value)
 
 
 def _request(doc: Document) -> tuple[str, dict[str, Any]]:
-    """The url and body of a batch line (already checked by `parse_batch_file` on the client)."""
-    try:
-        line = json.loads(doc.data)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise _invalid("the request is not a valid batch line (JSON)") from None
-    url, body = (line.get("url"), line.get("body")) if isinstance(line, dict) else (None, None)
-    if not isinstance(url, str) or not isinstance(body, dict):
-        raise _invalid("the request is not a valid batch line (url and body)")
-    if url not in (CHAT_URL, COMPLETIONS_URL):
-        raise _invalid(f"unsupported url {url[:200]!r} (supported: {CHAT_URL}, {COMPLETIONS_URL})")
-    return url, body
+    """The url and body of a batch line (checked by `parse_batch_file` on the client, and again here)."""
+    line = parse_line(doc.data)
+    if isinstance(line, BadLine):
+        raise _invalid(f"the request is not a valid batch line: {line.problem}")
+    if line.url not in (CHAT_URL, COMPLETIONS_URL):
+        raise _invalid(
+            f"unsupported url, a {len(line.url)}-character string (supported: {CHAT_URL}, {COMPLETIONS_URL})",
+            detail=f"unsupported url {line.url!r}",
+        )
+    return line.url, line.body
 
 
 def _render(messages: Any, model: ModelInfo) -> str:
     if not isinstance(messages, list) or not messages:
-        raise _invalid("body.messages must be a non-empty list")
+        raise _invalid(f"body.messages must be a non-empty list, not {_what(messages)}")
     conversation = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+        role = message.get("role") if isinstance(message, dict) else None
+        if not (isinstance(role, str) and role in _ROLES):
             raise _invalid(f"body.messages[{i}] must be an object with a role ({', '.join(_ROLES)})")
-        conversation.append({"role": _ROLES[message["role"]], "content": _content(message.get("content"), i)})
+        conversation.append({"role": _ROLES[role], "content": _content(message.get("content"), i)})
     try:
         return model.render_chat(conversation)
     except ValueError:  # the engine's RequestError: a template that refuses this conversation
@@ -131,26 +150,48 @@ def _render(messages: Any, model: ModelInfo) -> str:
 
 
 def _content(content: Any, index: int) -> str:
+    path = f"body.messages[{index}].content"
     if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
-        if kinds := sorted({str(part.get("type")) for part in content} - {"text"}):
-            raise _invalid(f"body.messages[{index}] has {kinds[0]!r} content; only text is supported")
-        if all(isinstance(part.get("text"), str) for part in content):
-            return "".join(part["text"] for part in content)
-    raise _invalid(f"body.messages[{index}].content must be a string or a list of text parts")
+        return _text(content or "", path)
+    if not isinstance(content, list):
+        raise _invalid(f"{path} must be a string or a list of text parts, not {_what(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise _invalid(
+                f"{path}[{j}] is not a text part (its type is {_what(kind)}); only text is supported",
+                detail=f"{path}[{j}] has type {kind!r}" if isinstance(kind, str) else None,
+            )
+        if not isinstance(part.get("text"), str):
+            raise _invalid(f"{path}[{j}].text must be a string, not {_what(part.get('text'))}")
+        texts.append(_text(part["text"], f"{path}[{j}].text"))
+    return "".join(texts)
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _text(text: str, path: str) -> str:
+    """`text`, refused when it holds a lone surrogate (a \ud800 escape), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _invalid(f"{path} holds a lone surrogate at offset {exc.start}") from None
+    return text
 
 
 def _completion_prompt(prompt: Any) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, str) and prompt:
-        return prompt
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
+        return _text(prompt, "body.prompt")
+    if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < 2**31 for t in prompt):
         return prompt
     raise _invalid("body.prompt must be one non-empty string or list of token ids")
 
@@ -163,8 +204,8 @@ def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
         raise _invalid("body.temperature must be a number from 0 to 2")
     if not _number(top_p, 0.0, 1.0) or top_p == 0:
         raise _invalid("body.top_p must be a number above 0 and at most 1")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise _invalid("body.seed must be an integer")
+    if seed is not None and (type(seed) is not int or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise _invalid("body.seed must be an integer that fits in 64 bits")
     stops = [stop] if isinstance(stop, str) else stop
     if stops is not None and not (
         isinstance(stops, list) and len(stops) <= 4 and all(isinstance(s, str) and s for s in stops)
@@ -175,7 +216,7 @@ def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
         temperature=1.0 if temperature is None else float(temperature),
         top_p=1.0 if top_p is None else float(top_p),
         seed=seed,
-        stop=stops or None,
+        stop=[_text(s, "body.stop") for s in stops] if stops else None,
     )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
@@ -20,8 +19,10 @@ from jobs.base import (
     one_output,
     usage_of,
 )
-from jobs.json_output import describe_error, first_object, schema_names
-from jobs.params import JobParamError, take_sampling, take_str
+from jobs.bounded_json import JSONInputError, json_type
+from jobs.bounded_json import loads as load_json
+from jobs.json_output import describe_error, first_object
+from jobs.params import MAX_STRING_PARAM, JobParamError, take_sampling, take_str
 
 if TYPE_CHECKING:
     from engine import RequestOutput
@@ -33,10 +34,10 @@ INSTRUCTIONS = (
 
 
 class Extract(JobKind):
-    """Params: exactly one of `fields` (comma-separated names) or `schema` (a JSON Schema as a JSON string
-    or a path to a .json file, read when the job is built); max_tokens (default 512), temperature, top_p,
-    seed, instructions. The output is the extracted object; unparsable model text fails the document and
-    is kept in `raw`."""
+    """Params: exactly one of `fields` (comma-separated names) or `schema` (a JSON Schema: an object, or its
+    JSON text; never a path, which the service would resolve on its own host: the client reads
+    `--param schema=@file.json` itself); max_tokens (default 512), temperature, top_p, seed, instructions.
+    The output is the extracted object; unparsable model text fails the document and is kept in `raw`."""
 
     name = "extract"
     param_names = ("fields", "instructions", "max_tokens", "schema", "seed", "temperature", "top_p")
@@ -75,21 +76,26 @@ class Extract(JobKind):
         if found is None:
             error = "model output is not valid JSON"
             if out.finish_reason == "length":
-                error += f"; it stopped at max_tokens={self._params['max_tokens']}, try a larger max_tokens"
+                error += "; it stopped at max_tokens, try a larger max_tokens"
             return DocumentResult(status="failed", output=None, error=error, raw=text, usage=usage)
         if "fields" in self._params:
             return DocumentResult("done", {f: found.get(f) for f in self._params["fields"]}, usage=usage)
         schema = self._params["schema"]
         cls = jsonschema.validators.validator_for(schema, default=Draft202012Validator)
         validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
-        if (error := best_match(validator.iter_errors(found))) is not None:
-            message = describe_error(error, schema_names(schema))
-            return DocumentResult(status="failed", output=None, error=message, raw=text, usage=usage)
+        try:
+            error = best_match(validator.iter_errors(found))
+        except RecursionError:  # a schema that refers to itself without end
+            reason = "the schema could not be checked: it recurses too deeply"
+            return DocumentResult(status="failed", output=None, error=reason, raw=text, usage=usage)
+        if error is not None:
+            reason, detail = describe_error(error)
+            return DocumentResult("failed", None, error=reason, raw=text, usage=usage, detail=detail)
         return DocumentResult(status="done", output=found, usage=usage)
 
 
 def _parse_fields(value: Any) -> list[str]:
-    if isinstance(value, str):
+    if isinstance(value, str) and len(value) <= MAX_STRING_PARAM:
         names = [name.strip() for name in value.split(",")]
     elif isinstance(value, list) and all(isinstance(name, str) for name in value):
         names = [name.strip() for name in value]
@@ -97,8 +103,11 @@ def _parse_fields(value: Any) -> list[str]:
         raise JobParamError("fields must be comma-separated names, e.g. fields=name,dob,diagnosis")
     if not names or not all(names):
         raise JobParamError("fields has an empty name; give comma-separated names, e.g. fields=name,dob")
-    if duplicate := next((name for i, name in enumerate(names) if name in names[:i]), None):
-        raise JobParamError(f"fields has the name '{duplicate}' twice")
+    first: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in first:
+            raise JobParamError(f"fields has one name twice (names {first[name] + 1} and {i + 1})")
+        first[name] = i
     return names
 
 
@@ -106,30 +115,34 @@ def _parse_schema(value: Any) -> dict[str, Any]:
     if isinstance(value, str):
         value = _load_schema(value.strip())
     if not isinstance(value, dict):
-        raise JobParamError("schema must be a JSON object (a JSON Schema)")
+        raise JobParamError(f"schema must be a JSON object (a JSON Schema), not {json_type(value)}")
     try:
+        load_json(json.dumps(value), "schema")  # the same bounds as JSON text, for a manifest's value
         jsonschema.validators.validator_for(value, default=Draft202012Validator).check_schema(value)
+    except JSONInputError as exc:
+        raise JobParamError(str(exc)) from None
+    except (TypeError, ValueError, RecursionError):  # a value JSON cannot carry; a runaway self-reference
+        raise JobParamError("schema is not a valid JSON Schema (it cannot be checked)") from None
     except SchemaError as exc:
-        message = exc.message.splitlines()[0]
-        raise JobParamError(f"schema is not a valid JSON Schema at {exc.json_path}: {message}") from None
+        depth = len(exc.absolute_path)
+        raise JobParamError(
+            f"schema is not a valid JSON Schema: rule '{exc.validator}' of the meta-schema fails "
+            f"{depth} level{'s' * (depth != 1)} down"
+        ) from None
     declared = value.get("type", "object")
     if "object" not in ([declared] if isinstance(declared, str) else declared):
-        raise JobParamError(f"schema must describe a JSON object, but its type is {json.dumps(declared)}")
+        raise JobParamError('schema must describe a JSON object: its "type" must be or include "object"')
     return value
 
 
 def _load_schema(text: str) -> Any:
-    source = "schema"
+    """The schema from its JSON text. Text that is no JSON object (a path, say) is refused, never opened."""
     if not text.startswith("{"):
-        source = f"schema file '{text}'"
-        try:
-            text = Path(text).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
-            raise JobParamError(f"{source} cannot be read: {reason}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
         raise JobParamError(
-            f"{source} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
-        ) from None
+            "schema must be JSON text of an object, not a path: the service never reads files; "
+            "on the command line, --param schema=@file.json sends the file's content"
+        )
+    try:
+        return load_json(text, "schema", max_bytes=MAX_STRING_PARAM)
+    except JSONInputError as exc:
+        raise JobParamError(str(exc)) from None

@@ -1,7 +1,10 @@
 """OpenAI Batch API files: read an input JSONL file, write lines of the output file.
 
-Input lines are `{"custom_id", "method": "POST", "url", "body"}`. A malformed file is refused whole, naming
-every bad line; a well-formed line for an unsupported url is not a file error (it fails alone when run).
+Input lines are `{"custom_id", "method": "POST", "url", "body"}`. `read_batch_file` gives every line, good
+(`BatchLine`) or bad (`BadLine`, with a content-free problem), so that a bad line can fail alone;
+`parse_batch_file` refuses a file with any bad line, naming each. A well-formed line for an unsupported url
+is not a bad line here: it fails alone when run. Parsing is bounded (`jobs.bounded_json`): no line can
+raise anything but these types, and no message quotes a line.
 """
 
 from __future__ import annotations
@@ -12,18 +15,42 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.base import PROCESSING_ERROR
+from jobs.base import INVALID_REQUEST, PROCESSING_ERROR, one_line
+from jobs.bounded_json import MAX_DEPTH, JSONInputError, TooDeep, json_type, load_members
 
 _FIELDS = ("custom_id", "method", "url", "body")
+MAX_LINE_BYTES = 64 * 2**20  # far above any document limit: a bound on parsing, not a quota
+MAX_CUSTOM_ID = 512  # characters
+MAX_MESSAGE = 300  # characters of a BatchFileError message
+_LEGACY_CODES = {"invalid_request": INVALID_REQUEST}  # results sealed before the codes followed OpenAI
 
 
 class BatchFileError(ValueError):
-    """A batch file that cannot be accepted; `errors` has one entry per problem ("line 3: not valid JSON")."""
+    """A batch file that cannot be accepted; `errors` has one entry per problem ("line 3: not valid JSON").
+
+    The message is one line of at most MAX_MESSAGE characters: the count, then as many problems as fit.
+    """
 
     def __init__(self, errors: list[str]) -> None:
         self.errors = errors
         count = len(errors)
-        super().__init__(f"the batch file has {count} problem{'s' * (count != 1)}: " + "; ".join(errors))
+        head = f"the batch file has {count} problem{'s' * (count != 1)}: "
+        super().__init__(head + join_bounded(errors, MAX_MESSAGE - len(head)))
+
+
+def join_bounded(items: list[str], limit: int) -> str:
+    """`items` joined with "; ", as many as fit in `limit` characters, then "(N more)"."""
+    text = ""
+    for shown, item in enumerate(items):
+        left = len(items) - shown - 1
+        candidate = f"{text}; {item}" if text else item
+        if len(candidate) + (len(f"; ({left} more)") if left else 0) > limit:
+            if not text:  # not even the first fits: cut it
+                tail = f"; ({left} more)" if left else ""
+                return one_line(item, limit - len(tail)) + tail
+            return f"{text}; ({left + 1} more)"
+        text = candidate
+    return text
 
 
 @dataclass(frozen=True)
@@ -38,63 +65,79 @@ class BatchLine:
     raw: bytes
 
 
-def parse_batch_file(data: bytes) -> list[BatchLine]:
-    """The requests of a batch file, in order; `BatchFileError` listing every bad line. Blank lines are
-    skipped."""
-    lines, errors = [], []
+@dataclass(frozen=True)
+class BadLine:
+    """A line that cannot be run: `problem` is content-free; `custom_id` is None when the line has no usable,
+    unique one."""
+
+    line_no: int
+    custom_id: str | None
+    problem: str
+    raw: bytes
+
+
+def read_batch_file(data: bytes) -> list[BatchLine | BadLine]:
+    """Every non-blank line of a batch file, in order, as a `BatchLine` or a `BadLine`; a later line with
+    the custom_id of an earlier one is a `BadLine` without custom_id."""
+    lines: list[BatchLine | BadLine] = []
     first_seen: dict[str, int] = {}
     for number, raw in enumerate(data.removeprefix(b"\xef\xbb\xbf").split(b"\n"), start=1):
         raw = raw.removesuffix(b"\r")
         if not raw.strip():
             continue
-        line, problems = _parse_line(number, raw)
-        errors += [f"line {number}: {problem}" for problem in problems]
-        if line is None:
-            continue
-        if line.custom_id in first_seen:
-            first = first_seen[line.custom_id]
-            errors.append(f"line {number}: duplicate custom_id {line.custom_id!r} (first on line {first})")
-            continue
-        first_seen[line.custom_id] = number
+        line = parse_line(raw, number)
+        if line.custom_id is not None:
+            if line.custom_id in first_seen:
+                first = first_seen[line.custom_id]
+                line = BadLine(number, None, f"duplicate custom_id (first on line {first})", raw)
+            else:
+                first_seen[line.custom_id] = number
         lines.append(line)
+    return lines
+
+
+def parse_batch_file(data: bytes) -> list[BatchLine]:
+    """The requests of a batch file, in order; `BatchFileError` listing every bad line. Blank lines are
+    skipped."""
+    lines = read_batch_file(data)
+    errors = [f"line {line.line_no}: {line.problem}" for line in lines if isinstance(line, BadLine)]
     if errors:
         raise BatchFileError(errors)
     if not lines:
         raise BatchFileError(["the file has no requests"])
-    return lines
+    return [line for line in lines if isinstance(line, BatchLine)]
 
 
-def _parse_line(number: int, raw: bytes) -> tuple[BatchLine | None, list[str]]:
+def parse_line(raw: bytes, line_no: int = 1) -> BatchLine | BadLine:
+    """One line of a batch file (also what the worker reads back as a chat document)."""
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return None, [f"not valid UTF-8 (first bad byte at offset {exc.start} of the line)"]
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return None, [f"not valid JSON ({exc.msg} at column {exc.colno})"]
-    if not isinstance(value, dict):
-        return None, ["must be a JSON object"]
+        value = load_members(raw, "the line", MAX_DEPTH, MAX_LINE_BYTES)
+    except JSONInputError as exc:
+        return BadLine(line_no, None, str(exc).removeprefix("the line "), raw)
+    custom_id = value.get("custom_id")
+    usable_id = isinstance(custom_id, str) and 0 < len(custom_id) <= MAX_CUSTOM_ID
     problems = [f"missing field '{name}'" for name in _FIELDS if name not in value]
-    custom_id, method, url, body = (value.get(name) for name in _FIELDS)
-    if "custom_id" in value and not (isinstance(custom_id, str) and custom_id):
-        problems.append("custom_id must be a non-empty string")
+    method, url, body = (value.get(name) for name in _FIELDS[1:])
+    if "custom_id" in value and not usable_id:
+        problems.append(f"custom_id must be a non-empty string of at most {MAX_CUSTOM_ID} characters")
     if "method" in value and method != "POST":
         problems.append("method must be POST")
     if "url" in value and not isinstance(url, str):
-        problems.append("url must be a string")
-    if "body" in value and not isinstance(body, dict):
-        problems.append("body must be an object")
+        problems.append(f"url must be a string, not {json_type(url)}")
+    if isinstance(body, TooDeep):
+        problems.append(f"body is nested more than {MAX_DEPTH - 1} levels deep")
+    elif "body" in value and not isinstance(body, dict):
+        problems.append(f"body must be an object, not {json_type(body)}")
     if problems:
-        return None, problems
-    return BatchLine(number, custom_id, method, url, body, raw), []
+        return BadLine(line_no, custom_id if usable_id else None, "; ".join(problems), raw)
+    return BatchLine(line_no, custom_id, method, url, body, raw)
 
 
 def output_line(custom_id: str, record: dict[str, Any]) -> dict[str, Any]:
-    """One line of OpenAI's batch output file from a result record {"status", "output", "error"}.
+    """One line of OpenAI's batch output file from a result record {"status", "output", "error", "detail"}.
 
     A failed record's code is read from its output `{"code": ...}` (as the chat kind writes it); without
-    one it is "processing_error".
+    one it is "processing_error". The message is the sealed `detail` when there is one, else the reason.
     """
     line: dict[str, Any] = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id}
     if record.get("status") == "done":
@@ -104,8 +147,8 @@ def output_line(custom_id: str, record: dict[str, Any]) -> dict[str, Any]:
     code = output.get("code") if isinstance(output, dict) else None
     if not (isinstance(code, str) and code):
         code = PROCESSING_ERROR
-    message = record.get("error") or "the request failed"
-    return line | {"response": None, "error": {"code": code, "message": message}}
+    message = record.get("detail") or record.get("error") or "the request failed"
+    return line | {"response": None, "error": {"code": _LEGACY_CODES.get(code, code), "message": message}}
 
 
 def output_file(records: Iterable[tuple[str, dict[str, Any]]]) -> bytes:

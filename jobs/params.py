@@ -1,31 +1,57 @@
-"""Parse job parameters: strings from `--param key=value` or the typed values of a signed manifest."""
+"""Parse job parameters: strings from `--param key=value` or the typed values of a signed manifest.
+
+Parameters are values, never paths the service resolves: a client reads `--param key=@file` itself with
+`resolve_file_params` and sends the file's text. Errors name the parameter and the rule, never the value
+(parameters are plaintext and the worker stores its reasons in clear).
+"""
 
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 from typing import Any
+
+from jobs.bounded_json import json_type
+
+MAX_STRING_PARAM = 1_000_000  # characters of one text parameter (instructions, a JSON Schema...)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what a 64-bit generator seed can hold
+MAX_TOKENS_LIMIT = 2**31 - 1
+_INTEGER = re.compile(r"[+-]?[0-9]{1,40}")
 
 
 class JobParamError(ValueError):
-    """A bad `--param` value; the one-line message names the parameter."""
+    """A bad parameter; the one-line message names the parameter and the rule, never the value."""
+
+
+def _got(value: Any) -> str:
+    if isinstance(value, str):
+        return f"a {len(value)}-character string"
+    return json_type(value)
 
 
 def take_int(
-    params: dict[str, Any], name: str, default: int | None, minimum: int | None = None
+    params: dict[str, Any],
+    name: str,
+    default: int | None,
+    minimum: int | None = None,
+    maximum: int | None = None,
 ) -> int | None:
-    """Pop `name` from `params` as an integer (or `default` when absent)."""
+    """Pop `name` from `params` as an integer within [minimum, maximum] (or `default` when absent)."""
     value = params.pop(name, None)
     if value is None:
         return default
     if isinstance(value, str):
-        try:
-            value = int(value.strip())
-        except ValueError:
-            raise JobParamError(f"{name} must be an integer, got {value!r}") from None
+        text = value.strip()
+        if not _INTEGER.fullmatch(text):
+            raise JobParamError(f"{name} must be an integer (got {_got(value)})")
+        value = int(text)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise JobParamError(f"{name} must be an integer, got {value!r}")
+        raise JobParamError(f"{name} must be an integer (got {_got(value)})")
     if minimum is not None and value < minimum:
-        raise JobParamError(f"{name} must be at least {minimum}, got {value}")
+        raise JobParamError(f"{name} must be at least {minimum}")
+    if maximum is not None and value > maximum:
+        raise JobParamError(f"{name} must be at most {maximum}")
     return value
 
 
@@ -41,30 +67,37 @@ def take_float(
     value = params.pop(name, None)
     if value is None:
         return default
-    if isinstance(value, str):
+    if isinstance(value, str) and len(value) <= 64:
         try:
             value = float(value.strip())
         except ValueError:
-            raise JobParamError(f"{name} must be a number, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise JobParamError(f"{name} must be a finite number, got {value!r}")
-    value = float(value)
+            raise JobParamError(f"{name} must be a number (got {_got(value)})") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise JobParamError(f"{name} must be a number (got {_got(value)})")
+    try:
+        value = float(value)  # an int past 1e308 overflows
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise JobParamError(f"{name} must be a finite number")
     if minimum is not None and value < minimum:
-        raise JobParamError(f"{name} must be at least {minimum}, got {value}")
+        raise JobParamError(f"{name} must be at least {minimum}")
     if maximum is not None and value > maximum:
-        raise JobParamError(f"{name} must be at most {maximum}, got {value}")
+        raise JobParamError(f"{name} must be at most {maximum}")
     if above is not None and value <= above:
-        raise JobParamError(f"{name} must be greater than {above}, got {value}")
+        raise JobParamError(f"{name} must be greater than {above}")
     return value
 
 
 def take_str(params: dict[str, Any], name: str, default: str | None = None) -> str | None:
-    """Pop `name` as a non-empty string (surrounding whitespace removed)."""
+    """Pop `name` as a non-empty string (surrounding whitespace removed) of at most MAX_STRING_PARAM."""
     value = params.pop(name, None)
     if value is None:
         return default
     if not isinstance(value, str):
-        raise JobParamError(f"{name} must be a string, got {type(value).__name__}")
+        raise JobParamError(f"{name} must be a string (got {_got(value)})")
+    if len(value) > MAX_STRING_PARAM:
+        raise JobParamError(f"{name} is {len(value)} characters; the limit is {MAX_STRING_PARAM}")
     value = value.strip()
     if not value:
         raise JobParamError(f"{name} must not be empty")
@@ -74,9 +107,36 @@ def take_str(params: dict[str, Any], name: str, default: str | None = None) -> s
 def take_sampling(params: dict[str, Any], default_max_tokens: int) -> dict[str, Any]:
     """Pop the common sampling parameters: max_tokens, temperature (default 0: greedy), top_p, seed."""
     sampling = {
-        "max_tokens": take_int(params, "max_tokens", default_max_tokens, minimum=1),
+        "max_tokens": take_int(params, "max_tokens", default_max_tokens, minimum=1, maximum=MAX_TOKENS_LIMIT),
         "temperature": take_float(params, "temperature", 0.0, minimum=0.0),
         "top_p": take_float(params, "top_p", 1.0, maximum=1.0, above=0.0),
-        "seed": take_int(params, "seed", None),
+        "seed": take_seed(params),
     }
     return {key: value for key, value in sampling.items() if value is not None}
+
+
+def take_seed(params: dict[str, Any]) -> int | None:
+    """Pop `seed`: an integer that fits a 64-bit generator."""
+    seed = take_int(params, "seed", None)
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise JobParamError("seed must be an integer that fits in 64 bits")
+    return seed
+
+
+def resolve_file_params(params: dict[str, str]) -> dict[str, str]:
+    """On the client: each `key=@path` value replaced by the text of the file at `path` (`@@` keeps a
+    literal leading @), so the service receives values, never paths to resolve on its host."""
+    resolved = {}
+    for key, value in params.items():
+        if isinstance(value, str) and value.startswith("@@"):
+            value = value[1:]
+        elif isinstance(value, str) and value.startswith("@"):
+            try:
+                value = Path(value[1:]).expanduser().read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise JobParamError(f"the file given for {key} with @ is not UTF-8 text") from None
+            except OSError as exc:
+                reason = exc.strerror or type(exc).__name__
+                raise JobParamError(f"the file given for {key} with @ cannot be read: {reason}") from None
+        resolved[key] = value
+    return resolved

@@ -39,6 +39,7 @@ ACTIONS = frozenset((*_JOB_ACTIONS, RESULTS_FETCHED, CHECKPOINT, CLIENT_ADDED, C
 GENESIS = "0" * 64  # prev_hash of row 1
 MAX_STRING = 200  # longest string (or key) allowed in details: ids and short codes, never content
 MAX_DETAILS_BYTES = 4096  # canonical JSON of one row's details
+MAX_DEPTH = 8  # lists and dicts inside one another in details
 _LOCK_KEY = 0x454E434C41564541  # b"ENCLAVEA": pg_advisory_xact_lock key that serialises appends
 
 
@@ -219,6 +220,16 @@ def _lock(session: Session) -> None:
         session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _LOCK_KEY})
 
 
+def bounded(text: str | None, limit: int = MAX_STRING) -> str | None:
+    """`text` on one line and cut to at most `limit` characters, so that it always passes `append`'s
+    string rule. For content-free reasons (codes, paths, sizes) that may run long: it does not make
+    content safe, and details must never carry content in the first place."""
+    if text is None:
+        return None
+    text = " ".join(str(text).encode("utf-8", "replace").decode("utf-8").split())  # lone surrogates: "?"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _check_str(name: str, value: str | None, limit: int, required: bool = False) -> None:
     if value is None and not required:
         return
@@ -239,23 +250,45 @@ def _details_text(details: dict[str, Any]) -> str:
     return encoded.decode()
 
 
-def _check_value(value: Any, path: str) -> None:
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_value(item, f"{path}[{i}]")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str) or len(key) > MAX_STRING:
-                raise ValueError(f"audit {path}: keys must be strings of at most {MAX_STRING} characters")
-            _check_value(item, f"{path}.{key}")
-    elif isinstance(value, str) and len(value) > MAX_STRING:
-        raise ValueError(
-            f"audit {path} is a {len(value)}-character string; details hold ids and short codes "
-            f"(at most {MAX_STRING} characters), never document content"
-        )
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"audit {path} is {value}; JSON has no NaN or infinity")
-    elif not (value is None or isinstance(value, str | int | float)):
-        raise ValueError(
-            f"audit {path} is a {type(value).__name__}; use str, int, float, bool, None, list, dict"
-        )
+def _check_value(details: Any, root: str) -> None:
+    """Walk `details` without recursion: bounded depth, short strings and keys, JSON scalars only."""
+    stack = [(details, root, 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ValueError(f"audit {root} are nested more than {MAX_DEPTH} levels deep")
+        if isinstance(value, list):
+            stack += [(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)]
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str) or len(key) > MAX_STRING or not _encodes(key):
+                    raise ValueError(f"audit {path}: keys must be strings of at most {MAX_STRING} characters")
+                stack.append((item, f"{path}.{key}", depth + 1))
+        elif isinstance(value, str):
+            if len(value) > MAX_STRING:
+                raise ValueError(
+                    f"audit {path} is a {len(value)}-character string; details hold ids and short codes "
+                    f"(at most {MAX_STRING} characters), never document content"
+                )
+            if not _encodes(value):
+                raise ValueError(f"audit {path} is not valid Unicode (a lone surrogate)")
+        elif isinstance(value, bool) or value is None:
+            continue
+        elif isinstance(value, int):
+            if not -(2**63) <= value < 2**63:
+                raise ValueError(f"audit {path} is an integer beyond 64 bits")
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise ValueError(f"audit {path} is {value}; JSON has no NaN or infinity")
+        else:
+            raise ValueError(
+                f"audit {path} is a {type(value).__name__}; use str, int, float, bool, None, list, dict"
+            )
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -1,13 +1,16 @@
 """The Celery application. `celery -A pipeline.celery_app worker --pool threads` works, as does
-`enclave worker`; both read settings once, from the environment and `enclave.toml`."""
+`enclave worker`; both read settings once, at start-up, from the environment and `enclave.toml`.
+Importing this module reads no settings: `app` is made on first access (the `celery -A` path)."""
 
 from __future__ import annotations
+
+import sys
 
 from celery import Celery
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport.sqlalchemy import Transport as SQLAlchemyTransport
 
-from pipeline.settings import Settings, load_settings
+from pipeline.settings import Settings, SettingsError, load_settings
 
 
 class EmbeddedTransport(SQLAlchemyTransport):
@@ -51,4 +54,14 @@ def make_celery(settings: Settings) -> Celery:
     return app
 
 
-app = make_celery(load_settings())
+def __getattr__(name: str) -> Celery:
+    """`pipeline.celery_app.app`, for `celery -A pipeline.celery_app`: settings are read on first access."""
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        app = make_celery(load_settings())
+    except SettingsError as exc:  # one line, not Celery's "unable to load" traceback
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    globals()["app"] = app
+    return app

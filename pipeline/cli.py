@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from pipeline.settings import Settings, load_settings
+from pipeline.settings import Settings, SettingsError, load_settings
 
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
@@ -38,11 +38,15 @@ def cli(ctx: click.Context, home: Path | None) -> None:
     """Enclave: encrypted batch LLM jobs on private data, on your own hardware."""
     if home is not None:
         os.environ["ENCLAVE_HOME"] = str(home)
-    ctx.obj = load_settings()
 
 
 def settings_of(ctx: click.Context) -> Settings:
-    return ctx.find_root().obj
+    """The settings, read and checked once per process by the first command that needs them (so `--help`,
+    `demo` and `bench` work whatever the environment holds); a bad one raises SettingsError."""
+    root = ctx.find_root()
+    if root.obj is None:
+        root.obj = load_settings()
+    return root.obj
 
 
 @cli.command()
@@ -198,9 +202,14 @@ def clients_revoke(ctx: click.Context, fingerprint: str) -> None:
 @click.option("--name", default="", help="A label for the job (stored in clear; do not put secrets here).")
 @click.option("--param", "params", multiple=True, help="key=value parameter of the job kind (repeatable).")
 @click.option("--priority", type=click.IntRange(0, 9), default=0, help="0..9, higher first.")
+@click.option(
+    "--job-id",
+    help="A UUID for the job (default: a new one, printed before the upload). Submitting again with the same "
+    "id never makes a second job: a submitted job is returned, an interrupted upload starts over.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def submit(ctx, paths, kind, batch, name, params, priority, as_json) -> None:
+def submit(ctx, paths, kind, batch, name, params, priority, job_id, as_json) -> None:
     """Seal documents on this machine and submit them as one job."""
     from pipeline import client as c
 
@@ -209,12 +218,19 @@ def submit(ctx, paths, kind, batch, name, params, priority, as_json) -> None:
         raise UserError("give either --openai-batch FILE or PATH... --kind KIND, not both")
     if not batch and not (paths and kind):
         raise UserError("give PATH... and --kind KIND (or --openai-batch FILE)")
+    chosen = job_id is not None
+
+    def announce(claimed: str) -> None:
+        if not chosen:  # printed before the upload, so an interrupted submit can be repeated with this id
+            err.print(f"job {claimed}: uploading (if interrupted, submit again with --job-id {claimed})")
+
     session = c.ClientSession(settings)
     try:
         if batch:
-            result = c.submit_openai_batch(session, batch, name, priority)
+            result = c.submit_openai_batch(session, batch, name, priority, job_id, announce)
         else:
-            result = c.submit_files(session, list(paths), kind, _params(params), name, priority)
+            params = _params(params)
+            result = c.submit_files(session, list(paths), kind, params, name, priority, job_id, announce)
     finally:
         session.close()
     if as_json:
@@ -226,9 +242,14 @@ def submit(ctx, paths, kind, batch, name, params, priority, as_json) -> None:
                 "rejected": [{"document": p, "error": e} for p, e in result.rejected],
                 "skipped": [{"document": p, "reason": e} for p, e in result.skipped],
                 "dispatched": result.dispatched,
+                "existing": result.existing,
             }
         )
     out.print(result.job_id)
+    if result.existing:
+        return err.print(
+            f"job {result.job_id} was already submitted ({result.documents} documents); nothing new"
+        )
     note = f"{result.documents} documents"
     if result.rejected:
         note += f", {len(result.rejected)} refused at submit (e.g. {result.rejected[0][1]})"
@@ -354,7 +375,11 @@ def cancel(ctx: click.Context, job: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def results(ctx: click.Context, job: str, out_dir: Path, partial: bool, as_json: bool) -> None:
-    """Open a job's results with this client's key and write them to --out."""
+    """Open a job's results with this client's key and write them to --out.
+
+    A result without the service's valid signature is refused (named, not opened); the others are written,
+    and the command exits non-zero.
+    """
     from pipeline import client as c
     from pipeline.results_files import write_results
 
@@ -366,17 +391,25 @@ def results(ctx: click.Context, job: str, out_dir: Path, partial: bool, as_json:
     finally:
         session.close()
     files = write_results(out_dir, job_row.kind, records)
+    refused = [r["error"] for r in records if r["status"] == "refused"]
     summary = {
         "job_id": job_id,
         "status": job_row.status,
         "documents": len(records),
         "done": sum(r["status"] == "done" for r in records),
         "failed": sum(r["status"] == "failed" for r in records),
+        "refused": len(refused),
         "files": [str(f) for f in files],
     }
     if as_json:
-        return emit(summary)
-    out.print(f"{summary['done']} done, {summary['failed']} failed -> {', '.join(summary['files'])}")
+        emit(summary)
+    else:
+        out.print(f"{summary['done']} done, {summary['failed']} failed -> {', '.join(summary['files'])}")
+    if refused:
+        more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
+        raise UserError(
+            f"{len(refused)} of {len(records)} results refused (not opened): {'; '.join(refused[:3])}{more}"
+        )
 
 
 @cli.group()
@@ -463,10 +496,13 @@ def audit_verify(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def worker(ctx: click.Context, concurrency: int, until_idle: bool, loglevel: str) -> None:
     """Run a GPU worker: serve shard tasks from the broker."""
+    settings = settings_of(
+        ctx
+    )  # first: a bad setting stops the worker before it imports or consumes anything
     from pipeline.worker_process import run_worker
 
-    _configure_logging(settings_of(ctx), loglevel)
-    raise SystemExit(run_worker(settings_of(ctx), concurrency, until_idle, loglevel))
+    _configure_logging(settings, loglevel)
+    raise SystemExit(run_worker(settings, concurrency, until_idle, loglevel))
 
 
 @cli.group()
@@ -576,6 +612,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cli.main(args=argv, prog_name="enclave", standalone_mode=False)
+    except SettingsError as exc:  # before any work: a usage error, exit 2 like click's
+        click.echo(f"error: {_one_line(str(exc))}", err=True)
+        return 2
     except click.exceptions.Exit as exc:
         return exc.exit_code
     except click.exceptions.Abort:

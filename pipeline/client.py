@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -11,15 +13,16 @@ from pathlib import Path
 from jobs import make_kind
 from jobs.openai_batch import parse_batch_file
 from jobs.repository import walk_repository
-from pipeline import audit, envelope, keys, store
+from pipeline import audit, envelope, keys, store, upload
 from pipeline.celery_app import make_celery
 from pipeline.db import Database
 from pipeline.home import CLIENT_PASSPHRASE_ENV, passphrase
-from pipeline.models import Client, Document, Job, Result
+from pipeline.models import Document, Job, Result
 from pipeline.settings import Settings
 from pipeline.tasks import dispatch_shard
 
 EMPTY_SHA256 = envelope.sha256_hex(b"")
+NAME_NOT_UNICODE = "the file name is not valid UTF-8; rename the file and submit it again"
 
 
 class ClientError(ValueError):
@@ -34,6 +37,17 @@ class Submitted:
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (path, reason) failed at submit
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason) not submitted at all
     dispatched: bool = True
+    existing: bool = False  # the job id was already submitted: that job is returned, nothing was stored
+
+
+@dataclass(frozen=True)
+class NewDocument:
+    """One document to seal and store; `data` None means it fails at submit, for the reason `error`."""
+
+    name: str
+    data: bytes | None
+    size: int
+    error: str | None = None
 
 
 class ClientSession:
@@ -79,138 +93,169 @@ def collect_files(paths: list[Path], kind: str) -> tuple[list[tuple[str, Path]],
                 if any(part.startswith(".") for part in rel.parts):
                     continue
                 found.append((prefix + rel.as_posix(), file))
-    names = [name for name, _ in found]
-    if dupes := sorted({n for n in names if names.count(n) > 1}):
+    if dupes := sorted(n for n, times in Counter(name for name, _ in found).items() if times > 1):
         raise ClientError(f"two documents would both be named {dupes[0]!r}; submit them separately")
     if not found:
         raise ClientError("no documents to submit")
     return found, skipped
 
 
+def new_job_id() -> str:
+    """A fresh job id, for a submit that can be repeated with the same id (`--job-id`)."""
+    return str(uuid.uuid4())
+
+
 def submit_files(
-    session: ClientSession, paths: list[Path], kind: str, params: dict, name: str = "", priority: int = 0
+    session: ClientSession,
+    paths: list[Path],
+    kind: str,
+    params: dict,
+    name: str = "",
+    priority: int = 0,
+    job_id: str | None = None,
+    announce: Callable[[str], None] | None = None,
 ) -> Submitted:
-    """Seal the files under `paths` and store them as one job; workers are told by shard id."""
+    """Seal the files under `paths` and store them as job `job_id` (default: a new id); workers are told by
+    shard id. `announce(job_id)` is called once the job is claimed, before the first document is stored."""
     job_kind = make_kind(kind, params)  # validates before anything is read or stored
     files, skipped = collect_files(paths, kind)
-    limit = session.settings.limits.max_document_bytes
-    documents = []
-    for doc_name, file in files:
-        size = file.stat().st_size
-        data = file.read_bytes() if size <= limit else None
-        documents.append((doc_name, data, size))
-    result = _store(session, job_kind.name, job_kind.params, documents, name, priority)
+    documents = _read_files(files, session.settings.limits.max_document_bytes)
+    result = _store(session, job_kind.name, job_kind.params, documents, name, priority, job_id, announce)
     result.skipped = skipped
     return result
 
 
-def submit_openai_batch(session: ClientSession, file: Path, name: str = "", priority: int = 0) -> Submitted:
+def submit_openai_batch(
+    session: ClientSession,
+    file: Path,
+    name: str = "",
+    priority: int = 0,
+    job_id: str | None = None,
+    announce: Callable[[str], None] | None = None,
+) -> Submitted:
     """Store an OpenAI batch file as a `chat` job, one document per request; refused whole if malformed."""
     if not file.is_file():
         raise ClientError(f"{file} is not a file")
     lines = parse_batch_file(file.read_bytes())
     job_kind = make_kind("chat", {})
-    documents = [(line.custom_id, line.raw, len(line.raw)) for line in lines]
-    return _store(session, job_kind.name, job_kind.params, documents, name or file.name, priority)
+    documents = (NewDocument(line.custom_id, line.raw, len(line.raw)) for line in lines)
+    return _store(
+        session, job_kind.name, job_kind.params, documents, name or file.name, priority, job_id, announce
+    )
+
+
+def _read_files(files: list[tuple[str, Path]], limit: int) -> Iterator[NewDocument]:
+    """Each file as a document, read only when its turn comes (memory holds one file at a time)."""
+    for doc_name, file in files:
+        size = file.stat().st_size
+        if size > limit:
+            yield NewDocument(doc_name, None, size, f"document is {size} bytes; the limit is {limit}")
+        else:
+            yield NewDocument(doc_name, file.read_bytes(), size)
 
 
 def _store(
     session: ClientSession,
     kind: str,
     params: dict,
-    documents: list[tuple[str, bytes | None, int]],
+    documents: Iterable[NewDocument],
     name: str,
     priority: int,
+    job_id: str | None,
+    announce: Callable[[str], None] | None,
 ) -> Submitted:
-    settings = session.settings
-    job_id = str(uuid.uuid4())
-    rows, entries, rejected = [], [], []
-    for index, (doc_name, data, size) in enumerate(documents):
-        doc_id = str(uuid.uuid4())
-        sealed_name = envelope.seal_name(doc_name, session.identity.public.x25519, job_id, doc_id)
-        if data is None:
-            reason = f"document is {size} bytes; the limit is {settings.limits.max_document_bytes}"
-            rejected.append((doc_name, reason))
-            rows.append(
-                Document(
-                    id=doc_id,
-                    job_id=job_id,
-                    index=index,
-                    shard=-1,
-                    sealed=None,
-                    sealed_name=sealed_name,
-                    sha256=EMPTY_SHA256,
-                    size=size,
-                    status="failed",
-                    error=reason,
-                )
-            )
-            entries.append({"id": doc_id, "sha256": EMPTY_SHA256})
-            continue
-        sealed = envelope.seal_document(
-            envelope.pack_document(doc_name, data), session.service.x25519, job_id, doc_id
-        )
-        digest = envelope.sha256_hex(sealed)
-        rows.append(
-            Document(
-                id=doc_id,
-                job_id=job_id,
-                index=index,
-                shard=index // settings.limits.shard_size,
-                sealed=sealed,
-                sealed_name=sealed_name,
-                sha256=digest,
-                size=size,
-                status="pending",
-            )
-        )
-        entries.append({"id": doc_id, "sha256": digest})
-    manifest = {
-        "version": envelope.MANIFEST_VERSION,
-        "job_id": job_id,
-        "kind": kind,
-        "params": params,
-        "client": session.fingerprint,
-        "documents": entries,
-        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
-    signature = envelope.sign_manifest(manifest, session.identity)
-    with session.db.transaction() as s:
-        allowed = s.get(Client, session.fingerprint)
-        if allowed is None or allowed.revoked_at is not None:
-            raise ClientError(
-                f"this client ({session.fingerprint[:16]}) is not on the service's allow-list: an "
-                "administrator must run `enclave clients add NAME PUBLIC_FILE` with its public.json"
-            )
-        s.add(
-            Job(
-                id=job_id,
-                name=name[:200],
-                kind=kind,
-                client_fingerprint=session.fingerprint,
-                priority=priority,
-                status="queued",
-                manifest=envelope.canonical_json(manifest).decode(),
-                signature=signature,
-                total=len(rows),
-            )
-        )
-        s.flush()
-        s.add_all(rows)
-        s.flush()
-        audit.append(
-            s,
-            actor=session.fingerprint,
-            action="submitted",
-            job_id=job_id,
-            details={"kind": kind, "documents": len(rows), "rejected_at_submit": len(rejected)},
-        )
-        store.complete_job_if_finished(s, job_id, session.fingerprint)
-        shards = sorted({r.shard for r in rows if r.status == "pending"})
-        for shard in shards:
-            store.mark_dispatched(s, job_id, shard)
-    dispatched = _dispatch(settings, job_id, shards, priority)
-    return Submitted(job_id, kind, len(rows), rejected, dispatched=dispatched)
+    """Claim the job id, store the documents chunk by chunk, then queue the job and tell the workers."""
+    job_id = _checked_job_id(job_id)
+    try:
+        claimed = upload.begin(session.db, job_id, session.fingerprint, kind, name, priority)
+        if isinstance(claimed, Job):
+            return Submitted(job_id, claimed.kind, claimed.total, existing=True)
+        if announce is not None:
+            announce(job_id)
+        entries, rejected, shards = _upload(session, claimed, documents)
+        manifest = {
+            "version": envelope.MANIFEST_VERSION,
+            "job_id": job_id,
+            "kind": kind,
+            "params": params,
+            "client": session.fingerprint,
+            "documents": entries,
+            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
+        signature = envelope.sign_manifest(manifest, session.identity)
+        details = {"kind": kind, "documents": len(entries), "rejected_at_submit": len(rejected)}
+        claimed.finish(envelope.canonical_json(manifest).decode(), signature, len(entries), details)
+    except upload.UploadError as exc:
+        raise ClientError(str(exc)) from None
+    dispatched = _dispatch(session.settings, job_id, sorted(shards), priority)
+    return Submitted(job_id, kind, len(entries), rejected, dispatched=dispatched)
+
+
+def _upload(
+    session: ClientSession, target: upload.Upload, documents: Iterable[NewDocument]
+) -> tuple[list[dict], list[tuple[str, str]], set[int]]:
+    """Seal and insert every document; returns the manifest entries, the refused (name, reason) pairs and
+    the shards that have work. Sealed bytes are held for one chunk at a time."""
+    entries, rejected, shards = [], [], set()
+    chunk, chunk_bytes = [], 0
+    for index, doc in enumerate(documents):
+        row = _sealed_row(session, target.job_id, index, doc)
+        entries.append({"id": row["id"], "sha256": row["sha256"]})
+        if row["status"] == "failed":
+            rejected.append((_printable(doc.name), row["error"]))
+        else:
+            shards.add(row["shard"])
+        chunk.append(row)
+        chunk_bytes += len(row["sealed"] or b"")
+        if len(chunk) >= upload.CHUNK_ROWS or chunk_bytes >= upload.CHUNK_BYTES:
+            target.insert(chunk)
+            chunk, chunk_bytes = [], 0
+    if chunk:
+        target.insert(chunk)
+    return entries, rejected, shards
+
+
+def _sealed_row(session: ClientSession, job_id: str, index: int, doc: NewDocument) -> dict:
+    """The `documents` row of one document: its content sealed to the service, its name to this client.
+
+    A document that cannot be sent (too large, a name that is not Unicode) fails alone, with a content-free
+    reason, and takes no shard."""
+    doc_id = str(uuid.uuid4())
+    sealed_name = envelope.seal_name(_printable(doc.name), session.identity.public.x25519, job_id, doc_id)
+    error = doc.error if doc.error is not None or _is_unicode(doc.name) else NAME_NOT_UNICODE
+    row = {"id": doc_id, "job_id": job_id, "index": index, "sealed_name": sealed_name, "size": doc.size}
+    if error is not None or doc.data is None:
+        return row | {"shard": -1, "sealed": None, "sha256": EMPTY_SHA256, "status": "failed", "error": error}
+    packed = envelope.pack_document(doc.name, doc.data)
+    sealed = envelope.seal_document(packed, session.service.x25519, job_id, doc_id)
+    digest = envelope.sha256_hex(sealed)
+    shard = index // session.settings.limits.shard_size
+    return row | {"shard": shard, "sealed": sealed, "sha256": digest, "status": "pending", "error": None}
+
+
+def _is_unicode(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes of a file name, kept by Python as lone surrogates
+        return False
+    return True
+
+
+def _printable(name: str) -> str:
+    """`name` as valid Unicode: bytes of a file name that are not UTF-8 show as \\xNN."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate that is no file-name byte (from JSON, say)
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _checked_job_id(job_id: str | None) -> str:
+    if job_id is None:
+        return new_job_id()
+    try:
+        return str(uuid.UUID(job_id))
+    except ValueError:
+        raise ClientError(f"a job id must be a UUID, such as {new_job_id()}") from None
 
 
 def _dispatch(settings: Settings, job_id: str, shards: list[int], priority: int) -> bool:
@@ -230,7 +275,13 @@ def _dispatch(settings: Settings, job_id: str, shards: list[int], priority: int)
 
 
 def fetch_results(session: ClientSession, job_id: str, partial: bool = False) -> tuple[Job, list[dict]]:
-    """Open the job's results with the client key: one record per document, in submission order."""
+    """Open the job's results with the client key: one record per document, in submission order.
+
+    Each result must carry the service's signature over (job, document, hash of the sealed bytes, status),
+    checked against the service key this client holds. A result that fails the check (forged, re-sealed,
+    copied from another document, unsigned) is not opened: its record has status "refused" and an error
+    naming the document; the other documents are opened as usual.
+    """
     with session.db.transaction() as s:
         job = s.get(Job, job_id)
         if job is None:
@@ -244,24 +295,54 @@ def fetch_results(session: ClientSession, job_id: str, partial: bool = False) ->
                 "finished); wait for it, or pass --partial"
             )
         docs = s.query(Document).filter(Document.job_id == job_id).order_by(Document.index).all()
-        sealed = {r.document_id: r.sealed for r in s.query(Result).filter(Result.job_id == job_id)}
+        rows = {
+            r.document_id: (r.sealed, r.signature) for r in s.query(Result).filter(Result.job_id == job_id)
+        }
         audit.append(
             s,
             actor=session.fingerprint,
             action="results_fetched",
             job_id=job_id,
-            details={"documents": len(docs), "results": len(sealed)},
+            details={"documents": len(docs), "results": len(rows)},
         )
-    records = []
-    for doc in docs:
+    return job, [_open_record(session, job_id, doc, rows.get(doc.id)) for doc in docs]
+
+
+def _open_record(
+    session: ClientSession, job_id: str, doc: Document, row: tuple[bytes, bytes | None] | None
+) -> dict:
+    """One document's record; status "refused" when its result is not the service's."""
+    try:
         path = envelope.open_name(doc.sealed_name, session.identity, job_id, doc.id)
-        record = {"document": path, "status": doc.status, "output": None, "error": doc.error}
-        if doc.id in sealed:
-            opened = json.loads(envelope.open_result(sealed[doc.id], session.identity, job_id, doc.id))
-            record |= {"status": opened["status"], "output": opened["output"], "error": opened["error"]}
-            if opened.get("raw") is not None:
-                record["raw"] = opened["raw"]
-            if opened.get("usage") is not None:
-                record["usage"] = opened["usage"]
-        records.append(record)
-    return job, records
+    except envelope.EnvelopeError:
+        path = f"document {doc.index}"
+        return _refused(path, doc, "its sealed name cannot be opened (altered)")
+    record = {"document": path, "status": doc.status, "output": None, "error": doc.error}
+    if row is None:
+        if doc.status == "done":
+            return _refused(path, doc, "its result is missing")
+        return record
+    sealed, signature = row
+    if signature is None:
+        return _refused(path, doc, "its result is not signed by the service")
+    statement = store.result_statement(job_id, doc.id, sealed, doc.status)
+    if not keys.verify_signature(session.service, statement, signature):
+        return _refused(
+            path, doc, "its result's signature does not verify (forged, altered or another document's)"
+        )
+    try:
+        opened = json.loads(envelope.open_result(sealed, session.identity, job_id, doc.id))
+    except (envelope.EnvelopeError, ValueError):
+        return _refused(path, doc, "its signed result cannot be opened with this client's key")
+    if not isinstance(opened, dict) or opened.get("status") != doc.status:
+        return _refused(path, doc, "its signed result does not match the document's status")
+    record |= {"status": opened["status"], "output": opened.get("output"), "error": opened.get("error")}
+    for key in ("detail", "raw", "usage"):
+        if opened.get(key) is not None:
+            record[key] = opened[key]
+    return record
+
+
+def _refused(path: str, doc: Document, why: str) -> dict:
+    error = f"result of document {doc.index} ({path!r}) refused: {why}"
+    return {"document": path, "status": "refused", "output": None, "error": error}

@@ -5,6 +5,10 @@ no associated data, so the context (format version, purpose, job id, document id
 `info`: an envelope opens only for the exact job, document and purpose it was sealed for.
 A manifest lists a job's documents with their ciphertext hashes and is signed by the client, so the
 worker can check what it was asked to do before it opens anything.
+
+Manifests and payload headers are untrusted until checked: they are parsed within bounds
+(`jobs.bounded_json`: nesting depth, size), and every failure is an `EnvelopeError` or `ManifestError`
+whose one-line message quotes nothing from the input.
 """
 
 from __future__ import annotations
@@ -19,12 +23,18 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hpke
 from cryptography.hazmat.primitives.asymmetric import x25519
 
+from jobs.bounded_json import JSONInputError
+from jobs.bounded_json import loads as load_json
 from pipeline.keys import Identity, PublicIdentity, verify_signature
 
 FORMAT_VERSION = "enclave/1"
 SUITE = hpke.Suite(hpke.KEM.X25519, hpke.KDF.HKDF_SHA256, hpke.AEAD.AES_256_GCM)
 MANIFEST_VERSION = 1
 _HEADER_LEN = struct.Struct(">I")
+MAX_HEADER_BYTES = 64 * 2**10  # a payload header holds one path
+MAX_PATH_CHARS = 4096
+MAX_MANIFEST_CHARS = 512 * 2**20  # ids and hashes take ~110 characters a document: millions of documents
+MAX_ID_CHARS = 200
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
@@ -119,16 +129,27 @@ def unpack_document(payload: bytes) -> tuple[str, bytes]:
     if len(payload) < _HEADER_LEN.size:
         raise EnvelopeError("malformed document payload: shorter than its header length")
     (length,) = _HEADER_LEN.unpack_from(payload)
+    if length > MAX_HEADER_BYTES:
+        raise EnvelopeError(f"malformed document payload: header is {length} bytes, over {MAX_HEADER_BYTES}")
     end = _HEADER_LEN.size + length
     if end > len(payload):
         raise EnvelopeError("malformed document payload: header runs past the end")
     try:
-        header = json.loads(bytes(payload[_HEADER_LEN.size : end]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise EnvelopeError("malformed document payload: header is not UTF-8 JSON") from None
-    if not isinstance(header, dict) or not isinstance(header.get("path"), str):
+        header = load_json(bytes(payload[_HEADER_LEN.size : end]), "header", max_depth=4)
+    except JSONInputError as exc:
+        raise EnvelopeError(f"malformed document payload: {exc}") from None
+    path = header.get("path") if isinstance(header, dict) else None
+    if not isinstance(path, str):
         raise EnvelopeError("malformed document payload: header has no string 'path'")
-    return header["path"], bytes(payload[end:])
+    if len(path) > MAX_PATH_CHARS:
+        raise EnvelopeError(
+            f"malformed document payload: path is {len(path)} characters, over {MAX_PATH_CHARS}"
+        )
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise EnvelopeError(f"malformed document payload: path has a lone surrogate at {exc.start}") from None
+    return path, bytes(payload[end:])
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -146,9 +167,9 @@ def sign_manifest(manifest: dict[str, Any], client_identity: Identity) -> bytes:
 def verify_manifest(manifest_json: str, signature: bytes, client_public: PublicIdentity) -> dict[str, Any]:
     """Parse a manifest, check the client's signature over its canonical form and its fields; return it."""
     try:
-        manifest = json.loads(manifest_json, parse_constant=_reject_constant)
-    except (ValueError, TypeError):
-        raise ManifestError("manifest is not valid JSON") from None
+        manifest = load_json(manifest_json, "manifest", max_bytes=MAX_MANIFEST_CHARS)
+    except JSONInputError as exc:
+        raise ManifestError(str(exc)) from None
     if not isinstance(manifest, dict):
         raise ManifestError("manifest must be a JSON object")
     if not verify_signature(client_public, _manifest_bytes(manifest), signature):
@@ -156,21 +177,15 @@ def verify_manifest(manifest_json: str, signature: bytes, client_public: PublicI
     _check_manifest(manifest)
     fingerprint = client_public.fingerprint
     if manifest["client"] != fingerprint:
-        raise ManifestError(
-            f"manifest client {manifest['client']!r} does not match the verifying key {fingerprint}"
-        )
+        raise ManifestError(f"manifest client does not match the verifying key {fingerprint}")
     return manifest
 
 
 def _manifest_bytes(manifest: dict[str, Any]) -> bytes:
     try:
         return canonical_json(manifest)
-    except ValueError as e:  # NaN/infinity, or a lone surrogate that is not UTF-8
-        raise ManifestError(f"manifest cannot be encoded as canonical JSON: {e}") from None
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed in a manifest")
+    except (ValueError, TypeError, RecursionError):  # NaN/infinity, a lone surrogate, a non-JSON value
+        raise ManifestError("manifest cannot be encoded as canonical JSON") from None
 
 
 _MANIFEST_FIELDS: dict[str, type] = {
@@ -196,17 +211,21 @@ def _check_manifest(manifest: Any) -> None:
         if not isinstance(value, kind) or isinstance(value, bool):
             raise ManifestError(f"manifest field '{name}' must be {_TYPE_WORDS[kind]}")
     if manifest["version"] != MANIFEST_VERSION:
-        raise ManifestError(f"manifest version {manifest['version']} is not supported (expected 1)")
-    if not manifest["job_id"]:
-        raise ManifestError("manifest field 'job_id' must not be empty")
-    seen: set[str] = set()
+        raise ManifestError(f"manifest version is not supported (expected {MANIFEST_VERSION})")
+    for name in ("job_id", "client"):
+        if not 0 < len(manifest[name]) <= MAX_ID_CHARS:
+            raise ManifestError(f"manifest field '{name}' must be 1 to {MAX_ID_CHARS} characters")
+    seen: dict[str, int] = {}
     for i, doc in enumerate(manifest["documents"]):
         if not isinstance(doc, dict):
             raise ManifestError(f"manifest document {i} must be an object")
-        if not isinstance(doc.get("id"), str) or not doc["id"]:
-            raise ManifestError(f"manifest document {i} needs a non-empty string 'id'")
+        doc_id = doc.get("id")
+        if not isinstance(doc_id, str) or not 0 < len(doc_id) <= MAX_ID_CHARS:
+            raise ManifestError(
+                f"manifest document {i} needs a string 'id' of 1 to {MAX_ID_CHARS} characters"
+            )
         if not isinstance(doc.get("sha256"), str) or not _SHA256_HEX.fullmatch(doc["sha256"]):
             raise ManifestError(f"manifest document {i} needs 'sha256' as 64 lowercase hex characters")
-        if doc["id"] in seen:
-            raise ManifestError(f"manifest lists document id {doc['id']!r} twice")
-        seen.add(doc["id"])
+        if doc_id in seen:
+            raise ManifestError(f"manifest lists one document id twice (documents {seen[doc_id]} and {i})")
+        seen[doc_id] = i

@@ -17,15 +17,16 @@ def describe(exc: BaseException) -> str:
 
     from engine import EngineError
     from jobs.base import JobParamError
-    from jobs.openai_batch import BatchFileError
+    from jobs.openai_batch import BatchFileError, join_bounded
     from pipeline.client import ClientError
     from pipeline.envelope import EnvelopeError, ManifestError
     from pipeline.keys import KeyFileError
     from pipeline.settings import SettingsError
 
-    if isinstance(exc, BatchFileError):
+    if isinstance(exc, BatchFileError):  # its problems are content-free: line numbers, offsets, field names
         errors = getattr(exc, "errors", None) or [str(exc)]
-        return f"the batch file has {len(errors)} bad line(s), nothing was stored: " + "; ".join(errors)
+        head = f"the batch file has {len(errors)} bad line(s), nothing was stored: "
+        return head + join_bounded(errors, 2000)
     if isinstance(exc, (OperationalError, ProgrammingError)) and "no such table" in str(exc.orig).lower():
         return "the database is not initialised: run `enclave init` (or `enclave db upgrade`)"
     if isinstance(exc, ProgrammingError) and "does not exist" in str(exc.orig):

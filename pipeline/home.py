@@ -14,8 +14,8 @@ from pipeline.db import Database
 from pipeline.models import Client
 from pipeline.settings import Settings
 
-SERVICE_PASSPHRASE_ENV = "ENCLAVE_SERVICE_PASSPHRASE"
-CLIENT_PASSPHRASE_ENV = "ENCLAVE_CLIENT_PASSPHRASE"
+SERVICE_PASSPHRASE_ENV = keys.PASSPHRASE_ENV["service"]  # the worker reads the same variable
+CLIENT_PASSPHRASE_ENV = keys.PASSPHRASE_ENV["client"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class InitReport:
 
 
 def passphrase(env_var: str) -> bytes | None:
-    value = os.environ.get(env_var) or os.environ.get(keys.PASSPHRASE_ENV)
+    """The passphrase in `env_var`, one variable per identity, so init, client and worker agree."""
+    value = os.environ.get(env_var)
     return value.encode() if value else None
 
 

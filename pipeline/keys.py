@@ -26,7 +26,8 @@ from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
 X25519_FILE = "x25519.pem"
 ED25519_FILE = "ed25519.pem"
 PUBLIC_FILE = "public.json"
-PASSPHRASE_ENV = "ENCLAVE_PASSPHRASE"
+# The variables that hold the passphrases of the identities in a home's `service/` and `client/` folders.
+PASSPHRASE_ENV = {"service": "ENCLAVE_SERVICE_PASSPHRASE", "client": "ENCLAVE_CLIENT_PASSPHRASE"}
 _ENCRYPTED_PEM = b"-----BEGIN ENCRYPTED PRIVATE KEY-----"
 _RAW = serialization.Encoding.Raw, serialization.PublicFormat.Raw
 
@@ -195,7 +196,8 @@ def _load_private(path: Path, passphrase: bytes | None, key_type: type, type_nam
         raise KeyFileError(f"cannot read key file {path}: {e.strerror}") from None
     encrypted = _ENCRYPTED_PEM in data
     if encrypted and not passphrase:
-        raise KeyFileError(f"key file {path} is passphrase-protected: set {PASSPHRASE_ENV} to its passphrase")
+        variable = PASSPHRASE_ENV.get(path.parent.name) or " or ".join(PASSPHRASE_ENV.values())
+        raise KeyFileError(f"key file {path} is passphrase-protected: set {variable} to its passphrase")
     try:
         key = serialization.load_pem_private_key(data, passphrase if encrypted else None)
     except (ValueError, TypeError, UnsupportedAlgorithm):

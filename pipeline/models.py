@@ -17,9 +17,10 @@ class Base(DeclarativeBase):
     pass
 
 
-# Job status: queued -> running -> completed (every document done or failed) | cancelled | failed (the job
-# itself could not run, e.g. a forged manifest).
-JOB_STATUSES = ("queued", "running", "completed", "cancelled", "failed")
+# Job status: uploading (the client is still storing documents; workers ignore the job) -> queued ->
+# running -> completed (every document done or failed) | cancelled | failed (the job itself could not run,
+# e.g. a forged manifest).
+JOB_STATUSES = ("uploading", "queued", "running", "completed", "cancelled", "failed")
 # Document status: pending -> leased -> done | failed; cancelled when its job is.
 DOC_STATUSES = ("pending", "leased", "done", "failed", "cancelled")
 TERMINAL_DOC = ("done", "failed", "cancelled")
@@ -49,6 +50,8 @@ class Job(Base):
     status: Mapped[str] = mapped_column(String(16), default="queued")
     manifest: Mapped[str] = mapped_column(Text)  # canonical JSON: kind, params, document ids and hashes
     signature: Mapped[bytes] = mapped_column(LargeBinary)  # Ed25519 over the manifest
+    # While `uploading`: the token of the submit that owns the upload (a resubmit takes it over); else None.
+    upload_token: Mapped[str | None] = mapped_column(String(32), default=None)
     total: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text, default=None)  # content-free reason
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -75,7 +78,10 @@ class Document(Base):
     sha256: Mapped[str] = mapped_column(String(64))  # of the sealed bytes, as signed in the manifest
     size: Mapped[int] = mapped_column(Integer, default=0)  # plaintext bytes, as the client measured them
     status: Mapped[str] = mapped_column(String(16), default="pending")
-    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)  # failures of this document (retried or final)
+    # Leases that expired without a result: a worker died or hung while holding the document. Counted apart
+    # from `attempts`, so crashes do not burn the document's retries (store.MAX_LEASE_EXPIRIES bounds them).
+    lease_expiries: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     lease_owner: Mapped[str | None] = mapped_column(String(200), default=None)
     lease_until: Mapped[datetime | None] = mapped_column(default=None)
     dispatched_at: Mapped[datetime | None] = mapped_column(default=None)
@@ -93,6 +99,9 @@ class Result(Base):
     document_id: Mapped[str] = mapped_column(ForeignKey("documents.id"), primary_key=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
     sealed: Mapped[bytes] = mapped_column(LargeBinary)  # sealed to the submitter's X25519 key
+    # The service's Ed25519 signature over store.result_statement(job, document, sealed, status): the client
+    # refuses a result without a valid one (forged, re-sealed, or copied from another document).
+    signature: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

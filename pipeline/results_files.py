@@ -10,12 +10,16 @@ from pathlib import Path
 from jobs.code_review import build_report
 from jobs.openai_batch import output_line
 
+REFUSED_CODE = "result_refused"  # the result did not carry the service's valid signature
+
 
 def write_results(out_dir: Path, kind: str, records: list[dict]) -> list[Path]:
+    """Write the records; a record's `detail` (the full reason of a failure, possibly quoting the document)
+    goes into the files too, since they are the submitter's plaintext."""
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [
         {"document": r["document"], "status": r["status"], "output": r["output"], "error": r["error"]}
-        | ({"raw": r["raw"]} if "raw" in r else {})
+        | {key: r[key] for key in ("detail", "raw") if key in r}
         for r in records
     ]
     files = [
@@ -25,11 +29,18 @@ def write_results(out_dir: Path, kind: str, records: list[dict]) -> list[Path]:
         report = build_report([(r["document"], r) for r in records])
         files.append(_write(out_dir / "report.md", report))
     if kind == "chat":
-        batch = [output_line(r["document"], r) for r in records]
+        batch = [output_line(r["document"], _batch_record(r)) for r in records]
         files.append(
             _write(out_dir / "output.jsonl", "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in batch))
         )
     return files
+
+
+def _batch_record(record: dict) -> dict:
+    """The record as OpenAI's output line reads it: a refused result gets its own code."""
+    if record["status"] == "refused":
+        return record | {"output": {"code": REFUSED_CODE}}
+    return record
 
 
 def _write(path: Path, text: str) -> Path:

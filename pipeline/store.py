@@ -1,5 +1,16 @@
 """Job and document state transitions. The database is the source of truth: documents are leased, and a
 result is written once, in the same transaction that finishes its document, together with its audit event.
+
+Retries and crashes are counted apart. `attempts` counts the failures of the document itself (given back
+after an error, or failed); `max_attempts` of them fail it for good. A lease that expires without a result
+(the worker died or hung) is counted in `lease_expiries` instead and does not burn an attempt. So a document
+that kills every worker still ends, `MAX_LEASE_EXPIRIES` expiries fail it as `worker_crashed`: ten, more
+than any run of ordinary worker restarts or deploys, and few enough that a poisonous document stops
+within ten lease periods.
+
+Stored reasons (`documents.error`, `jobs.error`, audit details) are clipped to `MAX_REASON` characters, so
+the audit log's length rule can never refuse the event of a failing document; what goes in them must be
+content-free already (codes, JSON paths, offsets, sizes, counts).
 """
 
 from __future__ import annotations
@@ -7,13 +18,38 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, func, insert, or_, select, update
+from sqlalchemy import and_, case, func, insert, not_, or_, select, update
 from sqlalchemy.orm import Session
 
-from pipeline import audit
+from pipeline import audit, envelope
 from pipeline.models import TERMINAL_DOC, Document, Job, Result, utcnow
 
 ACTIVE_JOB = ("queued", "running")
+MAX_LEASE_EXPIRIES = 10
+MAX_REASON = 160  # well under audit.MAX_STRING, with room for a prefix
+WORKER_CRASHED = "worker_crashed"
+RESULT_STATEMENT = "enclave/1 result"
+
+
+def bounded(reason: str | None, limit: int = MAX_REASON) -> str | None:
+    """`reason` clipped to `limit` characters (an ellipsis marks the cut)."""
+    if reason is None or len(reason) <= limit:
+        return reason
+    return reason[: limit - 3] + "..."
+
+
+def result_statement(job_id: str, document_id: str, sealed_result: bytes, status: str) -> bytes:
+    """What the service signs for a result row and the client verifies: the job, the document, the SHA-256
+    of the sealed result bytes and the document's final status, in canonical JSON."""
+    return envelope.canonical_json(
+        {
+            "purpose": RESULT_STATEMENT,
+            "job_id": job_id,
+            "document_id": document_id,
+            "sha256": envelope.sha256_hex(sealed_result),
+            "status": status,
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -88,35 +124,57 @@ def list_jobs(session: Session, limit: int = 100) -> list[JobStatus]:
 
 
 def lease(
-    session: Session, job_id: str, shard: int, owner: str, lease_seconds: float, max_attempts: int
+    session: Session,
+    job_id: str,
+    shard: int,
+    owner: str,
+    lease_seconds: float,
+    max_attempts: int,
+    max_lease_expiries: int = MAX_LEASE_EXPIRIES,
 ) -> tuple[list[Document], list[Document]]:
     """Lease the shard's pending (or expired) documents to `owner`, in one atomic UPDATE.
 
-    Returns (leased, exhausted): documents now leased, and documents that already used `max_attempts`
-    and must be failed by the caller.
+    Taking over an expired lease counts one more lease expiry, not an attempt. Returns (leased, exhausted):
+    documents now leased, and documents that used `max_attempts` failures or `max_lease_expiries` expiries
+    and must be failed by the caller (`give_up`).
     """
     now = utcnow()
+    expired = and_(Document.status == "leased", Document.lease_until < now)
     available = and_(
-        Document.job_id == job_id,
-        Document.shard == shard,
-        or_(Document.status == "pending", and_(Document.status == "leased", Document.lease_until < now)),
+        Document.job_id == job_id, Document.shard == shard, or_(Document.status == "pending", expired)
     )
+    # SET and WHERE both see the row as it was: status "leased" here means an expired lease taken over.
+    expiries = Document.lease_expiries + case((Document.status == "leased", 1), else_=0)
+    leasable = and_(Document.attempts < max_attempts, expiries < max_lease_expiries)
     # A concurrent worker's UPDATE of the same rows waits for this one, then re-checks the WHERE clause and
     # finds them leased: each document goes to exactly one lease holder.
     ids = session.scalars(
         update(Document)
-        .where(available, Document.attempts < max_attempts)
+        .where(available, leasable)
         .values(
             status="leased",
             lease_owner=owner,
             lease_until=now + timedelta(seconds=lease_seconds),
-            attempts=Document.attempts + 1,
+            lease_expiries=expiries,
         )
         .returning(Document.id)
     ).all()
     leased = session.scalars(select(Document).where(Document.id.in_(ids)).order_by(Document.index)).all()
-    exhausted = session.scalars(select(Document).where(available, Document.attempts >= max_attempts)).all()
+    exhausted = session.scalars(select(Document).where(available, not_(leasable))).all()
     return list(leased), list(exhausted)
+
+
+def give_up(session: Session, doc: Document, max_attempts: int, actor: str) -> None:
+    """Fail an exhausted document (see `lease`) with a reason saying which limit it reached."""
+    if doc.attempts >= max_attempts:
+        reason = f"gave up after {doc.attempts} failed attempts; the last: {doc.error or 'unknown'}"
+    else:
+        expiries = doc.lease_expiries + (doc.status == "leased")
+        reason = (
+            f"{WORKER_CRASHED}: its lease expired {expiries} times without a result "
+            "(a worker died or hung while processing it)"
+        )
+    fail_unopened(session, doc, reason, actor)
 
 
 def start_job(session: Session, job_id: str, actor: str) -> None:
@@ -140,8 +198,10 @@ def finish_document(
     actor: str,
     details: dict | None = None,
     complete: bool = True,
+    signature: bytes | None = None,
 ) -> bool:
-    """Mark a leased document done or failed and store its sealed result, all or nothing.
+    """Mark a leased document done or failed and store its sealed result (with the service's `signature`
+    over `result_statement`), all or nothing. `error` is clipped to `MAX_REASON` characters.
 
     Returns False (and changes nothing) when `owner` no longer holds the lease: the document was finished
     by someone else or cancelled. With `complete`, also completes the job when this was its last document
@@ -149,16 +209,26 @@ def finish_document(
     """
     if status not in ("done", "failed"):
         raise ValueError(f"finish_document status must be done or failed, got {status!r}")
+    error = bounded(error)
     job_id = session.scalars(
         update(Document)
         .where(Document.id == doc_id, Document.status == "leased", Document.lease_owner == owner)
-        .values(status=status, error=error, lease_until=None)
+        .values(
+            status=status,
+            error=error,
+            lease_until=None,
+            attempts=Document.attempts + (1 if status == "failed" else 0),
+        )
         .returning(Document.job_id)
     ).first()
     if job_id is None:
         return False
     if sealed_result is not None:
-        session.execute(insert(Result).values(document_id=doc_id, job_id=job_id, sealed=sealed_result))
+        session.execute(
+            insert(Result).values(
+                document_id=doc_id, job_id=job_id, sealed=sealed_result, signature=signature
+            )
+        )
     action = "document_done" if status == "done" else "document_failed"
     audit.append(
         session,
@@ -175,7 +245,8 @@ def finish_document(
 
 
 def fail_unopened(session: Session, doc: Document, error: str, actor: str) -> None:
-    """Fail a document that will never be processed (attempts used up), without a result."""
+    """Fail a document that will never be processed (limits used up), without a result."""
+    error = bounded(error)
     changed = session.execute(
         update(Document)
         .where(Document.id == doc.id, Document.status.in_(("pending", "leased")))
@@ -195,11 +266,19 @@ def fail_unopened(session: Session, doc: Document, error: str, actor: str) -> No
 
 
 def release(session: Session, doc_id: str, owner: str, error: str) -> None:
-    """Give a lease back after a transient failure; the next lease retries (attempts already counted)."""
+    """Give a lease back after a failure that may be transient; it counts one attempt, and the next lease
+    retries until `max_attempts`."""
     session.execute(
         update(Document)
         .where(Document.id == doc_id, Document.status == "leased", Document.lease_owner == owner)
-        .values(status="pending", error=error, lease_owner=None, lease_until=None, dispatched_at=None)
+        .values(
+            status="pending",
+            error=bounded(error),
+            attempts=Document.attempts + 1,
+            lease_owner=None,
+            lease_until=None,
+            dispatched_at=None,
+        )
     )
 
 
@@ -243,6 +322,7 @@ def cancel_job(session: Session, job_id: str, actor: str) -> bool:
 
 def fail_job(session: Session, job_id: str, reason: str, actor: str) -> bool:
     """The job itself cannot run (e.g. a forged manifest): fail it and its unfinished documents."""
+    reason = bounded(reason)
     failed = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.status.in_(ACTIVE_JOB))

@@ -20,8 +20,17 @@ from celery import Celery
 
 from engine import Engine, EngineError
 from jobs import make_kind
+from jobs.base import (
+    INVALID_REQUEST,
+    PROCESSING_ERROR,
+    DocumentError,
+    DocumentResult,
+    EngineModel,
+    EngineRequest,
+    JobKind,
+    JobParamError,
+)
 from jobs.base import Document as OpenedDocument
-from jobs.base import DocumentError, DocumentResult, EngineModel, EngineRequest, JobKind, JobParamError
 from pipeline import audit, envelope, keys, store
 from pipeline.db import Database
 from pipeline.errors import stack_without_message
@@ -44,6 +53,35 @@ class Leased:
     id: str
     index: int
     sealed: bytes | None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A document's result, with the machine code of a failure (None when done)."""
+
+    item: Leased
+    result: DocumentResult
+    code: str | None
+
+
+MAX_CODE = 40  # a code is a short machine word ("invalid_request"), never text from the document
+
+
+def _bounded_code(code: object) -> str:
+    return code[:MAX_CODE] if isinstance(code, str) and code else PROCESSING_ERROR
+
+
+def _code_of(result: DocumentResult) -> str | None:
+    """The code of a failed result: its `output.code` where the kind sets one, else processing_error."""
+    if result.status != "failed":
+        return None
+    output = result.output
+    return _bounded_code(output.get("code") if isinstance(output, dict) else None)
+
+
+def _engine_refused(exc: EngineError) -> DocumentError:
+    # The engine's message names limits and sizes, never prompt text.
+    return DocumentError(str(exc), code=INVALID_REQUEST)
 
 
 def runtime_for(app: Celery) -> WorkerRuntime:
@@ -126,49 +164,24 @@ class WorkerRuntime:
             with self.db.transaction() as s:
                 store.fail_job(s, job_id, reason, self.worker_id)
                 self._checkpoint(s, force=True)
-            log.warning("job %s rejected: %s", job_id, reason)
+            log.warning("job %s rejected: %s", job_id, store.bounded(reason))
             return
         with self.db.transaction() as s:
             leased, exhausted = store.lease(
                 s, job_id, shard, self.worker_id, limits.lease_seconds, limits.max_attempts
             )
             for doc in exhausted:
-                store.fail_unopened(
-                    s, doc, f"gave up after {doc.attempts} attempts: {doc.error}", self.worker_id
-                )
+                store.give_up(s, doc, limits.max_attempts, self.worker_id)
             if leased:
                 store.start_job(s, job_id, self.worker_id)
             work = [Leased(d.id, d.index, d.sealed) for d in leased]
         if not work:
             return
-        try:
-            kind = make_kind(manifest["kind"], manifest["params"])
-        except JobParamError as exc:
-            with self.db.transaction() as s:
-                store.fail_job(s, job_id, f"invalid job parameters: {exc}", self.worker_id)
+        kind = self._kind(job_id, manifest)
+        if kind is None:
             return
-        outcomes = [
-            (item, result)
-            for item, result in self._run(job_id, kind, work, hashes, priority)
-            if result is not None
-        ]
-        sealed = [self._seal(job_id, item, result, client_x25519) for item, result in outcomes]
-        recorded = []
-        with self.db.transaction() as s:  # one commit per shard; the lease check stays per document
-            for (item, result), payload in zip(outcomes, sealed, strict=True):
-                ok = store.finish_document(
-                    s,
-                    item.id,
-                    self.worker_id,
-                    result.status,
-                    payload,
-                    result.error,
-                    self.worker_id,
-                    complete=False,
-                )
-                recorded.append(ok and result.status)
-            finished = store.complete_job_if_finished(s, job_id, self.worker_id)
-            self._checkpoint(s, force=finished)
+        outcomes = self._run(job_id, kind, work, hashes, priority)
+        recorded = self._record(job_id, outcomes, client_x25519)
         done, failed = recorded.count("done"), recorded.count("failed")
         log.info(
             "job %s shard %d: %d documents, %d done, %d failed in %.3fs (engine %.3fs)",
@@ -180,6 +193,60 @@ class WorkerRuntime:
             time.perf_counter() - start,
             getattr(self._engine_seconds, "value", 0.0),
         )
+
+    def _kind(self, job_id: str, manifest: dict) -> JobKind | None:
+        """The job's kind from its signed parameters; None (and the job failed) when they are invalid."""
+        try:
+            return make_kind(manifest["kind"], manifest["params"])
+        except JobParamError as exc:  # names the parameter
+            reason = f"invalid job parameters: {exc}"
+        except Exception as exc:
+            reason = f"invalid job parameters ({type(exc).__name__})"
+        with self.db.transaction() as s:
+            store.fail_job(s, job_id, reason, self.worker_id)
+            self._checkpoint(s, force=True)
+        return None
+
+    def _record(self, job_id: str, outcomes: list[Outcome], client_x25519: bytes) -> list[str | bool]:
+        """Seal, sign and store each outcome, one commit for the shard. A document whose result cannot be
+        sealed or stored is given back alone (a savepoint each); its neighbours are recorded."""
+        prepared: list[tuple[Outcome, bytes, bytes]] = []
+        for outcome in outcomes:
+            try:
+                sealed = self._seal(job_id, outcome.item, outcome.result, client_x25519)
+                statement = store.result_statement(job_id, outcome.item.id, sealed, outcome.result.status)
+                prepared.append((outcome, sealed, self.identity.sign(statement)))
+            except Exception as exc:
+                self._give_back(outcome.item, exc)
+        recorded: list[str | bool] = []
+        unrecorded: list[tuple[Leased, Exception]] = []
+        with self.db.transaction() as s:  # one commit per shard; the lease check stays per document
+            for outcome, sealed, signature in prepared:
+                result = outcome.result
+                details = {"code": outcome.code} if result.status == "failed" else None
+                try:
+                    with s.begin_nested():
+                        ok = store.finish_document(
+                            s,
+                            outcome.item.id,
+                            self.worker_id,
+                            result.status,
+                            sealed,
+                            result.error,
+                            self.worker_id,
+                            details=details,
+                            complete=False,
+                            signature=signature,
+                        )
+                except Exception as exc:
+                    unrecorded.append((outcome.item, exc))
+                    continue
+                recorded.append(ok and result.status)
+            finished = store.complete_job_if_finished(s, job_id, self.worker_id)
+            self._checkpoint(s, force=finished)
+        for item, exc in unrecorded:
+            self._give_back(item, exc)
+        return recorded
 
     def _verify(self, session, job: Job) -> tuple[dict, dict[str, str], bytes]:
         """Check the allow-list and the manifest signature before anything is opened.
@@ -195,7 +262,12 @@ class WorkerRuntime:
         key = (job.id, envelope.sha256_hex(job.manifest.encode() + job.signature + client.ed25519_public))
         verified = self._verified.get(key)
         if verified is None:
-            manifest = self._verify_manifest(session, job, client)
+            try:
+                manifest = self._verify_manifest(session, job, client)
+            except JobRejected:
+                raise
+            except Exception as exc:  # a parser bug must end the job, not leave it queued forever
+                raise JobRejected(f"the manifest could not be checked ({type(exc).__name__})") from None
             verified = (manifest, {d["id"]: d["sha256"] for d in manifest["documents"]})
             if len(self._verified) > 1024:
                 self._verified.clear()
@@ -221,69 +293,85 @@ class WorkerRuntime:
 
     def _open(self, job_id: str, item: Leased, hashes: dict[str, str]) -> OpenedDocument:
         if item.sealed is None:
-            raise DocumentError("document was never uploaded")
+            raise DocumentError("document was never uploaded", code="not_uploaded")
         if envelope.sha256_hex(item.sealed) != hashes.get(item.id):
-            raise DocumentError("ciphertext does not match the signed manifest")
+            raise DocumentError("ciphertext does not match the signed manifest", code="ciphertext_mismatch")
         try:
             path, data = envelope.unpack_document(
                 envelope.open_document(item.sealed, self.identity, job_id, item.id)
             )
         except envelope.EnvelopeError as exc:
-            raise DocumentError(str(exc)) from None
+            raise DocumentError(str(exc), code="envelope_error") from None
         limit = self.settings.limits.max_document_bytes
         if len(data) > limit:
-            raise DocumentError(f"document is {len(data)} bytes; the limit is {limit}")
+            raise DocumentError(f"document is {len(data)} bytes; the limit is {limit}", code="too_large")
         return OpenedDocument(path=path, data=data)
 
     def _run(
         self, job_id: str, kind: JobKind, work: list[Leased], hashes: dict[str, str], priority: int
-    ) -> list[tuple[Leased, DocumentResult | None]]:
-        """Each document's result; None where the lease was given back for a retry."""
-        outcomes: list[tuple[Leased, DocumentResult | None]] = []
+    ) -> list[Outcome]:
+        """Each document's outcome. Whatever one document raises stays with it: a `DocumentError` fails it,
+        anything else gives it back for a retry (and it is left out here)."""
+        outcomes: list[Outcome] = []
         ready: list[tuple[Leased, OpenedDocument, list[EngineRequest]]] = []
         for item in work:
             try:
                 doc = self._open(job_id, item, hashes)
                 ready.append((item, doc, kind.requests(doc, self.model)))
             except DocumentError as exc:
-                outcomes.append((item, kind.failure(exc)))
+                self._fail(outcomes, kind, item, exc)
             except Exception as exc:  # a bug or an outage: retry later, keep the reason content-free
-                outcomes.append((item, self._give_back(item, exc)))
+                self._give_back(item, exc)
         generated = self._generate([r for _, _, r in ready], priority)
         for (item, doc, _), outputs in zip(ready, generated, strict=True):
             if isinstance(outputs, DocumentError):
-                outcomes.append((item, kind.failure(outputs)))
+                self._fail(outcomes, kind, item, outputs)
                 continue
             if isinstance(outputs, Exception):
-                outcomes.append((item, self._give_back(item, outputs)))
+                self._give_back(item, outputs)
                 continue
             try:
-                outcomes.append((item, kind.result(doc, outputs)))
+                result = kind.result(doc, outputs)
+            except DocumentError as exc:
+                self._fail(outcomes, kind, item, exc)
+                continue
             except Exception as exc:
-                outcomes.append((item, self._give_back(item, exc)))
+                self._give_back(item, exc)
+                continue
+            outcomes.append(Outcome(item, result, _code_of(result)))
         return outcomes
+
+    def _fail(self, outcomes: list[Outcome], kind: JobKind, item: Leased, error: DocumentError) -> None:
+        try:
+            outcomes.append(Outcome(item, kind.failure(error), _bounded_code(error.code)))
+        except Exception as exc:
+            self._give_back(item, exc)
 
     def _generate(self, batches: list[list[EngineRequest]], priority: int) -> list[list | Exception]:
         """Each document's outputs, through the engine's shared loop: requests from every shard and job
         in this process batch together. A request the engine refuses fails its document alone
-        (DocumentError); a failure inside the engine gives the document back for a retry."""
+        (DocumentError); any other failure gives the document back for a retry."""
+        if not batches:
+            return []
         engine = self.model.engine
         start = time.perf_counter()
-        pending: list[list[Future] | DocumentError] = []
+        pending: list[list[Future] | Exception] = []
         for batch in batches:
             try:
                 pending.append([self._submit(engine, r, priority) for r in batch])
             except EngineError as exc:  # invalid request: the document fails alone, with the reason
-                pending.append(DocumentError(str(exc), code="invalid_request"))
+                pending.append(_engine_refused(exc))
+            except Exception as exc:
+                pending.append(exc)
         results: list[list | Exception] = []
         for futures in pending:
-            if isinstance(futures, DocumentError):
+            if isinstance(futures, Exception):
                 results.append(futures)
                 continue
             try:
                 results.append([f.result() for f in futures])
             except EngineError as exc:
-                results.append(DocumentError(str(exc), code="invalid_request"))
+                results.append(_engine_refused(exc))
             except Exception as exc:
                 results.append(exc)
         self._engine_seconds.value = time.perf_counter() - start
@@ -306,13 +394,15 @@ class WorkerRuntime:
         log.error("document %s: %s: %s", item.id, reason, stack_without_message(exc))
         with self.db.transaction() as s:
             store.release(s, item.id, self.worker_id, reason)
-        return None
 
     def _seal(self, job_id: str, item: Leased, result: DocumentResult, client_x25519: bytes) -> bytes:
+        """The result record sealed to the submitter. `detail` is the full reason of a failure, which may
+        quote the document: only the submitter can read it."""
         record = {
             "status": result.status,
             "output": result.output,
             "error": result.error,
+            "detail": result.detail,
             "raw": result.raw,
             "usage": result.usage,
         }

@@ -75,7 +75,7 @@ def test_kill_9_mid_job_then_resume(enclave, tmp_path):
         ).scalar()
     db.dispose()
     assert all(n == 1 for _, n in per_doc) and len(per_doc) == total
-    assert attempts >= 1
+    assert attempts == 0  # crashes are not failures: they count in lease_expiries
     assert enclave.json("audit", "verify")["ok"] is True
     finished = [
         e

@@ -91,7 +91,9 @@ def test_full_flow(enclave, tmp_path):
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
     assert body["usage"]["completion_tokens"] <= 8
     assert lines["text-1"]["response"]["body"]["object"] == "text_completion"
-    assert lines["embed-1"]["response"] is None and lines["embed-1"]["error"]["code"] == "invalid_request"
+    assert (
+        lines["embed-1"]["response"] is None and lines["embed-1"]["error"]["code"] == "invalid_request_error"
+    )
 
     out = tmp_path / "out-review"
     enclave.run("results", review, "--out", str(out))

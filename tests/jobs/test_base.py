@@ -29,35 +29,60 @@ def test_ensure_fits_names_the_sizes():
     )
 
 
-def test_unknown_kind_lists_the_known_ones():
+def test_unknown_kind_lists_the_known_ones_without_quoting_the_name():
     with pytest.raises(JobParamError) as caught:
         make_kind("translate", {})
-    assert str(caught.value) == "unknown kind 'translate' (known: chat, code-review, extract, summarize)"
+    assert str(caught.value) == "unknown kind (known: chat, code-review, extract, summarize)"
+    with pytest.raises(JobParamError) as caught:
+        make_kind("sumarize", {})
+    assert (
+        str(caught.value)
+        == "unknown kind (did you mean 'summarize'? known: chat, code-review, extract, summarize)"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(KINDS))
-def test_unknown_parameter_names_the_key_and_the_known_ones(name):
+def test_unknown_parameter_suggests_a_known_one_and_never_quotes_the_key(name):
     with pytest.raises(JobParamError) as caught:
         make_kind(name, {**MINIMAL[name], "max_tokenz": "5"})
     message = str(caught.value)
-    assert "'max_tokenz'" in message and "known: " in message and "max_tokens" in message
+    assert "max_tokenz" not in message and "did you mean 'max_tokens'?" in message and "known: " in message
     assert "\n" not in message
+    with pytest.raises(JobParamError, match=r"^unknown parameter for kind"):
+        make_kind(name, {**MINIMAL[name], 5: "5"})
+    with pytest.raises(JobParamError, match=r"^parameters must be an object, not array$"):
+        make_kind(name, [1])
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 2**70, str(2**70), "1" * 5000])
+def test_a_seed_must_fit_in_64_bits(seed):
+    with pytest.raises(JobParamError, match=r"^seed must be an integer"):
+        make_kind("summarize", {"seed": seed})
+    assert make_kind("summarize", {"seed": 2**64 - 1}).params["seed"] == 2**64 - 1
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), "nan", "-inf", "1e400", 10**400, True, [1]])
+def test_temperature_must_be_a_finite_number(value):
+    with pytest.raises(JobParamError, match=r"^temperature must be a (finite )?number"):
+        make_kind("summarize", {"temperature": value})
 
 
 @pytest.mark.parametrize("name", ["code-review", "extract", "summarize"])
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
-        ("max_tokens", "abc", "max_tokens must be an integer, got 'abc'"),
-        ("max_tokens", "0", "max_tokens must be at least 1, got 0"),
-        ("temperature", "-0.5", "temperature must be at least 0.0, got -0.5"),
-        ("temperature", "hot", "temperature must be a number, got 'hot'"),
-        ("top_p", "0", "top_p must be greater than 0.0, got 0.0"),
-        ("top_p", "1.5", "top_p must be at most 1.0, got 1.5"),
-        ("seed", "1.5", "seed must be an integer, got '1.5'"),
+        ("max_tokens", "abc", "max_tokens must be an integer (got a 3-character string)"),
+        ("max_tokens", "0", "max_tokens must be at least 1"),
+        ("max_tokens", 2**40, "max_tokens must be at most 2147483647"),
+        ("temperature", "-0.5", "temperature must be at least 0.0"),
+        ("temperature", "hot", "temperature must be a number (got a 3-character string)"),
+        ("top_p", "0", "top_p must be greater than 0.0"),
+        ("top_p", "1.5", "top_p must be at most 1.0"),
+        ("seed", "1.5", "seed must be an integer (got a 3-character string)"),
+        ("seed", 1.5, "seed must be an integer (got number)"),
     ],
 )
-def test_bad_sampling_params_are_one_line_naming_the_param(name, key, value, message):
+def test_bad_sampling_params_are_one_line_naming_the_param_never_the_value(name, key, value, message):
     with pytest.raises(JobParamError) as caught:
         make_kind(name, {**MINIMAL[name], key: value})
     assert str(caught.value) == message

@@ -51,44 +51,129 @@ def test_completions_prompt(model, prompt):
 
 
 @pytest.mark.parametrize(
-    ("body", "url", "message"),
+    ("body", "url", "reason", "detail"),
     [
         (
             CHAT,
             "/v1/embeddings",
-            r"^unsupported url '/v1/embeddings' \(supported: /v1/chat/completions, /v1/completions\)$",
+            r"^unsupported url, a 14-character string \(supported: /v1/chat/completions, /v1/completions\)$",
+            "unsupported url '/v1/embeddings'",
         ),
-        (CHAT | {"n": 2}, "/v1/chat/completions", "body.n must be 1"),
-        ({"messages": []}, "/v1/chat/completions", "body.messages must be a non-empty list"),
+        (CHAT | {"n": 2}, "/v1/chat/completions", "body.n must be 1", None),
+        (
+            {"messages": []},
+            "/v1/chat/completions",
+            "^body.messages must be a non-empty list, not array$",
+            None,
+        ),
         (
             {"messages": [{"role": "robot", "content": "x"}]},
             "/v1/chat/completions",
             r"body.messages\[0\] must be",
+            None,
+        ),
+        (
+            {"messages": [{"role": ["user"], "content": "x"}]},
+            "/v1/chat/completions",
+            r"body.messages\[0\] must be",
+            None,
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "/v1/chat/completions",
-            "'image_url' content",
+            r"^body.messages\[0\].content\[0\] is not a text part \(its type is a 9-character string\)",
+            "body.messages[0].content[0] has type 'image_url'",
         ),
-        (CHAT | {"temperature": 3}, "/v1/chat/completions", "body.temperature must be a number from 0 to 2"),
-        (CHAT | {"max_tokens": "many"}, "/v1/chat/completions", "body.max_tokens must be a positive integer"),
-        (CHAT | {"stop": ["a", ""]}, "/v1/chat/completions", "body.stop must be"),
+        (
+            {"messages": [{"role": "user", "content": "\ud800"}]},
+            "/v1/chat/completions",
+            r"^the request is not a valid batch line: holds a lone surrogate",
+            None,
+        ),
+        (
+            CHAT | {"temperature": 3},
+            "/v1/chat/completions",
+            "body.temperature must be a number from 0 to 2",
+            None,
+        ),
+        (
+            CHAT | {"max_tokens": "many"},
+            "/v1/chat/completions",
+            "^body.max_tokens must be a positive integer, not a 4-character string$",
+            None,
+        ),
+        (CHAT | {"stop": ["a", ""]}, "/v1/chat/completions", "body.stop must be", None),
         (
             CHAT | {"max_tokens": 4095},
             "/v1/chat/completions",
-            r"with max_tokens=4095 it needs \d+, the model's context is 4096",
+            r"^prompt has \d+ tokens; with body.max_tokens it needs more than the model's context of 4096$",
+            "max_tokens=4095 with a prompt of",
         ),
-        ({"prompt": ["a", "b"]}, "/v1/completions", "body.prompt must be one non-empty string"),
+        (
+            CHAT | {"seed": 2**70},
+            "/v1/chat/completions",
+            "^body.seed must be an integer that fits in 64 bits$",
+            None,
+        ),
+        (CHAT | {"seed": 1.0}, "/v1/chat/completions", "^body.seed must be an integer", None),
+        ({"prompt": ["a", "b"]}, "/v1/completions", "body.prompt must be one non-empty string", None),
+        ({"prompt": [1, -2]}, "/v1/completions", "body.prompt must be one non-empty string", None),
     ],
 )
-def test_bad_requests_fail_alone_as_invalid_request(model, body, url, message):
+def test_bad_requests_fail_alone_as_invalid_request(model, body, url, reason, detail):
     kind = make_kind("chat", {})
-    with pytest.raises(DocumentError, match=message) as caught:
+    with pytest.raises(DocumentError, match=reason) as caught:
         kind.requests(request(body, url), model)
     result = kind.failure(caught.value)
-    assert (result.status, result.output) == ("failed", {"code": "invalid_request"})
-    line = output_line("req-1", {"status": result.status, "output": result.output, "error": result.error})
-    assert line["error"]["code"] == "invalid_request" and line["response"] is None
+    assert (result.status, result.output) == ("failed", {"code": "invalid_request_error"})
+    assert result.error == caught.value.reason == str(caught.value)
+    assert result.detail == caught.value.detail
+    if detail is not None:
+        assert detail in result.detail
+    record = {
+        "status": result.status,
+        "output": result.output,
+        "error": result.error,
+        "detail": result.detail,
+    }
+    line = output_line("req-1", record)
+    assert line["error"] == {"code": "invalid_request_error", "message": result.detail or result.error}
+    assert line["response"] is None
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        (
+            b"not json",
+            r"^the request is not a valid batch line: is not valid JSON \(Expecting value at offset 0\)$",
+        ),
+        (b"\xff", r"^the request is not a valid batch line: is not valid UTF-8"),
+        (
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": '
+            + b"[" * 100_000
+            + b"]" * 100_000
+            + b"}",
+            r"^the request is not a valid batch line: body is nested more than 63 levels deep$",
+        ),
+        (
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"seed": 1e400}}',
+            r"^the request is not a valid batch line: holds a number JSON cannot carry",
+        ),
+    ],
+)
+def test_unreadable_lines_fail_alone_with_a_content_free_reason(model, line, reason):
+    with pytest.raises(DocumentError, match=reason) as caught:
+        make_kind("chat", {}).requests(Document("a", line), model)
+    assert caught.value.code == "invalid_request_error"
+
+
+def test_long_unsupported_urls_give_a_short_reason_and_a_full_detail(model):
+    url = "/v1/embeddings/" + "CANARY" * 100
+    with pytest.raises(DocumentError) as caught:
+        make_kind("chat", {}).requests(request(CHAT, url), model)
+    assert "CANARY" not in caught.value.reason and len(caught.value.reason) <= 200
+    assert url in caught.value.detail
 
 
 def test_chat_result_is_a_chat_completion():
@@ -122,7 +207,7 @@ def test_a_conversation_the_template_refuses_is_invalid():
 
     with pytest.raises(DocumentError, match="could not be rendered with the model's chat template") as caught:
         make_kind("chat", {}).requests(request(CHAT), StrictModel())
-    assert caught.value.code == "invalid_request"
+    assert caught.value.code == "invalid_request_error"
 
 
 def test_only_raw_completion_text_gets_the_tokenizers_special_tokens(model):

@@ -82,7 +82,7 @@ def test_chat_batch(demo_engine):
     assert chat["choices"][0]["finish_reason"] in ("stop", "length")
     assert 1 <= chat["usage"]["completion_tokens"] <= 6
     assert completion["object"] == "text_completion" and isinstance(completion["choices"][0]["text"], str)
-    assert out[2]["response"] is None and out[2]["error"]["code"] == "invalid_request"
+    assert out[2]["response"] is None and out[2]["error"]["code"] == "invalid_request_error"
     json.dumps(out)  # the output file is JSON
 
 

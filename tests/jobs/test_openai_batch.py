@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from jobs.openai_batch import BatchFileError, output_file, output_line, parse_batch_file
+from jobs.openai_batch import BatchFileError, output_file, output_line, parse_batch_file, read_batch_file
 
 
 def line(custom_id="req-1", url="/v1/chat/completions", **extra) -> dict:
@@ -44,19 +44,42 @@ def test_every_bad_line_is_reported():
         parse_batch_file(data)
     errors = caught.value.errors
     assert errors == [
-        "line 3: not valid JSON (Expecting property name enclosed in double quotes at column 20)",
+        "line 3: is not valid JSON (Expecting property name enclosed in double quotes at offset 19)",
         "line 4: missing field 'custom_id'",
-        "line 5: duplicate custom_id 'req-1' (first on line 1)",
+        "line 5: duplicate custom_id (first on line 1)",
         "line 6: method must be POST",
-        "line 7: body must be an object",
-        "line 8: must be a JSON object",
-        "line 9: not valid UTF-8 (first bad byte at offset 0 of the line)",
-        "line 10: custom_id must be a non-empty string",
-        "line 10: url must be a string",
+        "line 7: body must be an object, not string",
+        "line 8: must be a JSON object, not array",
+        "line 9: is not valid UTF-8 (first bad byte at offset 0)",
+        "line 10: custom_id must be a non-empty string of at most 512 characters; "
+        "url must be a string, not number",
     ]
     message = str(caught.value)
-    assert message.startswith("the batch file has 9 problems: line 3: not valid JSON")
-    assert "\n" not in message and all(error in message for error in errors)
+    assert message.startswith("the batch file has 8 problems: line 3: is not valid JSON")
+    assert "\n" not in message and len(message) <= 300 and message.endswith(" more)")
+    assert "req-1" not in message
+
+
+def test_read_batch_file_keeps_bad_lines_to_fail_alone():
+    deep = b"[" * 100_000 + b"]" * 100_000
+    data = jsonl(
+        line("a"),
+        b'{"custom_id": "b", "method": "POST", "url": "/v1/chat/completions", "body": ' + deep + b"}",
+        b"[" * 100_000,
+        line("a"),
+        line("c", url="/v1/" + "CANARY" * 100),
+        line("d") | {"body": {"seed": 2**70}},
+        line("e") | {"method": "GET"},
+    )
+    lines = read_batch_file(data)
+    kinds = ["BatchLine", "BadLine", "BadLine", "BadLine", "BatchLine", "BatchLine", "BadLine"]
+    assert [type(x).__name__ for x in lines] == kinds
+    assert [x.custom_id for x in lines] == ["a", "b", None, None, "c", "d", "e"]
+    assert lines[1].problem == "body is nested more than 63 levels deep"
+    assert lines[2].problem == "is nested more than 64 levels deep"
+    assert lines[3].problem == "duplicate custom_id (first on line 1)"
+    assert lines[6].problem == "method must be POST"
+    assert lines[5].body == {"seed": 2**70}  # a well-formed line: the seed fails it alone when run
 
 
 def test_empty_file_is_refused():
@@ -75,12 +98,19 @@ def test_output_line_for_a_done_record():
 
 @pytest.mark.parametrize(
     ("output", "code"),
-    [({"code": "invalid_request"}, "invalid_request"), (None, "processing_error"), ("x", "processing_error")],
+    [
+        ({"code": "invalid_request_error"}, "invalid_request_error"),
+        ({"code": "invalid_request"}, "invalid_request_error"),  # sealed before codes followed OpenAI
+        (None, "processing_error"),
+        ("x", "processing_error"),
+    ],
 )
 def test_output_line_for_a_failed_record(output, code):
     out = output_line("req-2", {"status": "failed", "output": output, "error": "boom"})
     assert out["response"] is None
     assert out["error"] == {"code": code, "message": "boom"}
+    out = output_line("req-2", {"status": "failed", "output": output, "error": "boom", "detail": "full"})
+    assert out["error"] == {"code": code, "message": "full"}
 
 
 def test_output_file_is_jsonl():

@@ -404,6 +404,13 @@ def test_rolled_back_append_leaves_no_row(db, keys):
     assert _verify(db, keys) == audit.VerifyReport(ok=True, rows=4, checkpoints=0)
 
 
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 @pytest.mark.parametrize(
     "details",
     [
@@ -414,13 +421,50 @@ def test_rolled_back_append_leaves_no_row(db, keys):
         {"obj": object()},
         {"nan": float("nan")},
         {"many": ["z" * 200] * 40},
+        {"deep": _nested(100_000)},
+        {"huge": 10**5000},
+        {"surrogate": "\ud800"},
     ],
-    ids=["10k-string", "nested-long-string", "long-key", "bytes", "object", "nan", "too-big"],
+    ids=[
+        "10k-string",
+        "nested-long-string",
+        "long-key",
+        "bytes",
+        "object",
+        "nan",
+        "too-big",
+        "100k-deep",
+        "huge-int",
+        "lone-surrogate",
+    ],
 )
 def test_details_with_possible_content_are_rejected(sqlite_db, details):
     with pytest.raises(ValueError, match="details"), sqlite_db.transaction() as session:
         audit.append(session, actor="worker-1", action=audit.DOCUMENT_DONE, details=details)
     assert _rows(sqlite_db) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (None, None),
+        ("short reason", "short reason"),
+        ("two\nlines  and   tabs\t", "two lines and tabs"),
+        ("r" * 500, "r" * 197 + "..."),
+    ],
+)
+def test_bounded_text_always_passes_the_string_rule(sqlite_db, text, expected):
+    assert audit.bounded(text) == expected
+    with sqlite_db.transaction() as session:
+        event = audit.append(
+            session,
+            actor="w",
+            action=audit.DOCUMENT_FAILED,
+            outcome="error",
+            details={"error": audit.bounded(text)},
+        )
+    assert json.loads(event.details) == {"error": expected}
+    assert audit.bounded("abcdef", 5) == "ab..."
 
 
 def test_unknown_action_is_rejected_and_short_details_pass(sqlite_db):

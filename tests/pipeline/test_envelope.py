@@ -167,6 +167,14 @@ def test_pack_through_envelope(service):
         b'\x00\x00\x00\x0b{"path":12}',
         b"\x00\x00\x00\x03\xff\xfe\xfd",
         b"\x00\x00\x00\x03{no",
+        b"\xff\xff\xff\xff" + b"x" * 100,
+        len(b'{"path": ' + b"[" * 50_000 + b"]" * 50_000 + b"}").to_bytes(4, "big")
+        + b'{"path": '
+        + b"[" * 50_000
+        + b"]" * 50_000
+        + b"}",
+        b"\x00\x00\x00\x12" + b'{"path": "\\ud800"}',
+        b"\x00\x00\x00\x0e" + b'{"path": 1e999}',
     ],
 )
 def test_unpack_malformed_payload(payload):
@@ -259,7 +267,9 @@ def test_manifest_missing_field_fails(client, field):
 @pytest.mark.parametrize(
     ("overrides", "reason"),
     [
-        ({"version": 2}, "version 2 is not supported"),
+        ({"version": 2}, "manifest version is not supported (expected 1)"),
+        ({"version": 10**4000}, "manifest version is not supported (expected 1)"),
+        ({"job_id": "j" * 201}, "'job_id' must be 1 to 200 characters"),
         ({"version": True}, "'version' must be an integer"),
         ({"version": "1"}, "'version' must be an integer"),
         ({"params": []}, "'params' must be an object"),
@@ -268,7 +278,10 @@ def test_manifest_missing_field_fails(client, field):
         ({"documents": [{"id": "d", "sha256": "AB" * 32}]}, "'sha256'"),
         ({"documents": [{"sha256": "ab" * 32}]}, "'id'"),
         ({"documents": ["doc-1"]}, "must be an object"),
-        ({"documents": [{"id": "d", "sha256": "ab" * 32}] * 2}, "twice"),
+        (
+            {"documents": [{"id": "CANARY", "sha256": "ab" * 32}] * 2},
+            "one document id twice (documents 0 and 1)",
+        ),
     ],
 )
 def test_manifest_bad_fields_fail(client, overrides, reason):
@@ -276,14 +289,32 @@ def test_manifest_bad_fields_fail(client, overrides, reason):
     signature = client.sign(canonical_json(manifest))
     with pytest.raises(ManifestError) as excinfo:
         verify_manifest(json.dumps(manifest), signature, client.public)
-    assert reason in _one_line(excinfo)
+    assert reason in _one_line(excinfo) and "CANARY" not in _one_line(excinfo)
 
 
-@pytest.mark.parametrize("text", ["{not json", "", '{"version": NaN}', "[1, 2]"])
-def test_manifest_not_json_object(client, text):
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        (
+            "{not json",
+            "manifest is not valid JSON (Expecting property name enclosed in double quotes at offset 1)",
+        ),
+        ("", "manifest is not valid JSON (Expecting value at offset 0)"),
+        ('{"version": NaN}', "manifest holds a number JSON cannot carry"),
+        ('{"version": 1e400}', "manifest holds a number JSON cannot carry"),
+        ('{"version": ' + "9" * 5000 + "}", "manifest holds a number JSON cannot carry"),
+        ('{"params": ' + "[" * 100_000 + "]" * 100_000 + "}", "manifest is nested more than 64 levels deep"),
+        ("[" * 100_000, "manifest is nested more than 64 levels deep"),
+        ("[1, 2]", "manifest must be a JSON object"),
+        (None, "manifest must be text, not NoneType"),
+        ('{"CANARY\ud800": 1}', "manifest holds a lone surrogate"),
+        ('{"CANARY\\ud800": 1}', "manifest holds a lone surrogate"),
+    ],
+)
+def test_manifest_not_json_object(client, text, reason):
     with pytest.raises(ManifestError) as excinfo:
         verify_manifest(text, b"\x00" * 64, client.public)
-    assert _one_line(excinfo) in ("manifest is not valid JSON", "manifest must be a JSON object")
+    assert _one_line(excinfo).startswith(reason) and "CANARY" not in str(excinfo.value)
 
 
 def test_sealed_names_open_only_as_names_for_their_document():

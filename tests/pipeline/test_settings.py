@@ -1,6 +1,40 @@
-import pytest
+import math
+from dataclasses import fields
 
-from pipeline.settings import SettingsError, load_settings
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from pipeline.settings import EngineOptions, Limits, SettingsError, load_settings
+
+BAD_NUMBERS = ["1e12", "nan", "inf", "-inf", "-1", "1e400", "abc", "", "0x10", "9" * 5000]
+# Every numeric setting: (variable, key in its enclave.toml table, smallest and largest accepted values).
+NUMERIC = [
+    ("ENCLAVE_MAX_DOCUMENT_BYTES", "limits", "max_document_bytes", 1, 1 << 30),
+    ("ENCLAVE_MAX_ATTEMPTS", "limits", "max_attempts", 1, 100),
+    ("ENCLAVE_LEASE_SECONDS", "limits", "lease_seconds", 1, 604800),
+    ("ENCLAVE_SHARD_SIZE", "limits", "shard_size", 1, 10_000),
+    ("ENCLAVE_CHECKPOINT_EVERY", "limits", "checkpoint_every", 1, 1_000_000),
+    ("ENCLAVE_MAX_NUM_SEQS", "engine", "max_num_seqs", 1, 4096),
+    ("ENCLAVE_MAX_NUM_BATCHED_TOKENS", "engine", "max_num_batched_tokens", 1, 1 << 20),
+    ("ENCLAVE_NUM_SPECULATIVE_TOKENS", "engine", "num_speculative_tokens", 0, 4),
+    ("ENCLAVE_KV_CACHE_MEMORY", "engine", "kv_cache_memory", 1 << 20, 1 << 42),
+]
+
+
+def value_of(s, table, key):
+    return getattr(s.limits, key) if table == "limits" else s.engine[key]
+
+
+def refusal(home, env=None, toml=None) -> str:
+    if toml is not None:
+        (home / "enclave.toml").write_text(toml)
+    with pytest.raises(SettingsError) as info:
+        load_settings({"ENCLAVE_HOME": str(home), **(env or {})})
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 300, message
+    return message
 
 
 def test_defaults_live_in_the_home(tmp_path):
@@ -8,6 +42,7 @@ def test_defaults_live_in_the_home(tmp_path):
     assert s.database_url == f"sqlite:///{tmp_path / 'enclave.db'}"
     assert s.broker_url == f"sqla+sqlite:///{tmp_path / 'broker.db'}"
     assert s.model is None and s.model_path == tmp_path / "models" / "demo"
+    assert s.limits == Limits() and s.engine == {}
 
 
 def test_environment_wins_over_the_file(tmp_path):
@@ -28,31 +63,128 @@ def test_environment_wins_over_the_file(tmp_path):
     )
 
 
+@pytest.mark.parametrize(("var", "table", "key", "low", "high"), NUMERIC)
+def test_each_numeric_setting_accepts_its_range(tmp_path, var, table, key, low, high):
+    for value in (low, high):
+        s = load_settings({"ENCLAVE_HOME": str(tmp_path), var: str(value)})
+        assert value_of(s, table, key) == value
+        (tmp_path / "enclave.toml").write_text(f"[{table}]\n{key} = {value}\n")
+        assert value_of(load_settings({"ENCLAVE_HOME": str(tmp_path)}), table, key) == value
+
+
+@pytest.mark.parametrize(("var", "table", "key", "low", "high"), NUMERIC)
+@pytest.mark.parametrize("bad", BAD_NUMBERS)
+def test_bad_numbers_from_the_environment_are_one_line_naming_the_variable(
+    tmp_path, var, table, key, low, high, bad
+):
+    if bad == "":  # an empty variable means unset
+        assert load_settings({"ENCLAVE_HOME": str(tmp_path), var: bad})
+        return
+    message = refusal(tmp_path, {var: bad})
+    assert message.startswith(f"{var} must be ") and f"between {low} and {high}" in message
+
+
+@pytest.mark.parametrize(("var", "table", "key", "low", "high"), NUMERIC)
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf", "-1", "1e400", '"abc"', "true", "[1]", str(10**30)])
+def test_bad_numbers_in_the_file_name_the_table_and_key(tmp_path, var, table, key, low, high, bad):
+    message = refusal(tmp_path, toml=f"[{table}]\n{key} = {bad}\n")
+    assert message.startswith(f"enclave.toml [{table}] {key} must be ")
+
+
+@pytest.mark.parametrize(("var", "table", "key", "low", "high"), NUMERIC)
+def test_out_of_range_by_one(tmp_path, var, table, key, low, high):
+    for value in (low - 1, high + 1):
+        refusal(tmp_path, {var: str(value)})
+
+
+def test_fractions_only_where_a_number_may_have_one(tmp_path):
+    assert (
+        load_settings({"ENCLAVE_HOME": str(tmp_path), "ENCLAVE_LEASE_SECONDS": "2.5"}).limits.lease_seconds
+        == 2.5
+    )
+    assert "whole number" in refusal(tmp_path, {"ENCLAVE_MAX_ATTEMPTS": "2.5"})
+
+
+@pytest.mark.parametrize(
+    ("toml", "needle"),
+    [
+        ('databse_url = "sqlite:///x"\n', "'databse_url' (known: database_url, broker_url"),
+        ("[limit]\nlease_seconds = 5\n", "'limit'"),
+        ("[limits]\nmax_attemps = 5\n", "'max_attemps' in [limits] (known: max_document_bytes, max_attempts"),
+        ("[engine]\nbeams = 4\n", "'beams' in [engine] (known: max_num_seqs"),
+        ("limits = 3\n", "[limits]"),
+    ],
+)
+def test_unknown_keys_in_any_section_are_refused(tmp_path, toml, needle):
+    message = refusal(tmp_path, toml=toml)
+    assert message.startswith("enclave.toml: ") and needle in message
+
+
 @pytest.mark.parametrize(
     ("env", "needle"),
-    [({"ENCLAVE_MAX_ATTEMPTS": "many"}, "max_attempts"), ({"ENCLAVE_LEASE_SECONDS": "0"}, "lease_seconds")],
+    [
+        ({"ENCLAVE_QUANTIZATION": "int3"}, "ENCLAVE_QUANTIZATION must be one of none, fp8, got 'int3'"),
+        ({"ENCLAVE_DATABASE_URL": "postgres-at-db1"}, "ENCLAVE_DATABASE_URL must be a URL"),
+    ],
 )
-def test_bad_values(tmp_path, env, needle):
-    with pytest.raises(SettingsError, match=needle):
-        load_settings({"ENCLAVE_HOME": str(tmp_path), **env})
+def test_bad_text_values(tmp_path, env, needle):
+    assert needle in refusal(tmp_path, env)
+
+
+def test_urls_are_never_echoed(tmp_path):
+    message = refusal(tmp_path, {"ENCLAVE_BROKER_URL": "hunter2-password"})
+    assert message.startswith("ENCLAVE_BROKER_URL must be a URL") and "hunter2" not in message
 
 
 def test_unreadable_toml(tmp_path):
-    (tmp_path / "enclave.toml").write_text("this is = = not toml")
-    with pytest.raises(SettingsError, match=r"enclave\.toml"):
-        load_settings({"ENCLAVE_HOME": str(tmp_path)})
+    assert "enclave.toml" in refusal(tmp_path, toml="this is = = not toml")
+    assert "nested too deeply" in refusal(tmp_path, toml="a = " + "[" * 5000 + "]" * 5000)
+    (tmp_path / "enclave.toml").write_bytes(b"\xff\xfe")
+    assert "enclave.toml" in refusal(tmp_path)
 
 
 def test_engine_options_from_file_and_environment(tmp_path):
     (tmp_path / "enclave.toml").write_text('[engine]\nmax_num_seqs = 8\nquantization = "none"\n')
-    s = load_settings({"ENCLAVE_HOME": str(tmp_path), "ENCLAVE_QUANTIZATION": "fp8"})
+    s = load_settings({"ENCLAVE_HOME": str(tmp_path), "ENCLAVE_QUANTIZATION": "FP8"})
     assert s.engine == {"max_num_seqs": 8, "quantization": "fp8"}  # passed to Engine.from_pretrained as is
 
 
 @pytest.mark.parametrize(
-    ("table", "needle"), [("quantization = 8", "quantization must be a string"), ("beams = 4", "beams")]
+    ("table", "needle"),
+    [("quantization = 8", "quantization must be one of none, fp8, got 8"), ("beams = 4", "beams")],
 )
 def test_bad_engine_options(tmp_path, table, needle):
-    (tmp_path / "enclave.toml").write_text(f"[engine]\n{table}\n")
-    with pytest.raises(SettingsError, match=needle):
-        load_settings({"ENCLAVE_HOME": str(tmp_path)})
+    assert needle in refusal(tmp_path, toml=f"[engine]\n{table}\n")
+
+
+def test_speculative_bound_is_the_engines():
+    from engine.engine import MAX_SPECULATIVE_TOKENS
+
+    info = EngineOptions.__pydantic_fields__["num_speculative_tokens"]
+    assert [m.le for m in info.metadata if hasattr(m, "le")] == [MAX_SPECULATIVE_TOKENS]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1, 1e12, True])
+def test_limits_made_in_code_are_checked_too(bad):
+    with pytest.raises(ValidationError):
+        Limits(lease_seconds=bad)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.sampled_from([v for v, *_ in NUMERIC]),
+    value=st.one_of(st.text(max_size=30), st.floats().map(repr), st.integers().map(str)),
+)
+def test_any_text_loads_in_range_or_is_refused_in_one_line(tmp_path_factory, name, value):
+    home = tmp_path_factory.getbasetemp()
+    low, high = next((lo, hi) for v, _, _, lo, hi in NUMERIC if v == name)
+    try:
+        s = load_settings({"ENCLAVE_HOME": str(home), name: value})
+    except SettingsError as exc:
+        assert str(exc).startswith(f"{name} must be ") and "\n" not in str(exc)
+        return
+    loaded = [getattr(s.limits, f.name) for f in fields(Limits)] + list(s.engine.values())
+    assert all(math.isfinite(x) for x in loaded)
+    if value:  # empty: unset, the default
+        key = name.removeprefix("ENCLAVE_").lower()
+        assert low <= (getattr(s.limits, key, None) or s.engine[key]) <= high

@@ -1,0 +1,179 @@
+"""Per-document isolation in the worker, on SQLite and PostgreSQL: whatever one document raises (in its
+requests, in the engine, in its result, in sealing or in recording), it fails or is given back alone and its
+neighbours in the shard complete, each recorded once with a signed result and a bounded, content-free reason.
+
+The engine is a stand-in (futures resolved at once): what is tested is the worker's bookkeeping."""
+
+import json
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from engine import EngineError
+from jobs.base import DocumentError, DocumentResult, EngineRequest, JobKind
+from pipeline import audit, envelope, keys, migrate, store
+from pipeline.db import Database
+from pipeline.models import Client, Document, Job, Result
+from pipeline.settings import Settings
+from pipeline.worker import Leased, WorkerRuntime
+
+SECRET = "SECRET-d41c"
+
+
+class Probe(JobKind):
+    """Each document's bytes say how it misbehaves."""
+
+    name = "probe"
+    param_names = ()
+
+    def parse_params(self, params):
+        return {}
+
+    def requests(self, doc, model):
+        if doc.data == b"requests-crash":
+            raise RuntimeError(SECRET)
+        if doc.data == b"bad":
+            raise DocumentError("body.x must be a number", code="invalid_request_error", detail=SECRET * 100)
+        return [EngineRequest(doc.data.decode(), sampling=None)]
+
+    def result(self, doc, outputs):
+        if doc.data == b"result-crash":
+            raise KeyError(SECRET)
+        if doc.data == b"unserialisable":
+            return DocumentResult(status="done", output=object())
+        if doc.data == b"bad-status":
+            return DocumentResult(status="maybe", output=None)
+        if doc.data == b"long-error":
+            return DocumentResult(status="failed", output=None, error="x" * 5000)
+        return DocumentResult(status="done", output=outputs[0])
+
+
+class StandInEngine:
+    def submit(self, prompt, sampling, **_options):
+        if prompt == "engine-refuses":
+            raise EngineError("prompt has 9000 tokens; the limit is 8192")
+        if prompt == "engine-crash":
+            raise MemoryError
+        future = Future()
+        future.set_result(f"out:{prompt}")
+        return future
+
+
+class StandInModel:
+    engine = StandInEngine()
+
+
+@pytest.fixture
+def runtime(db_url, tmp_path):
+    settings = Settings(home=tmp_path, database_url=db_url, broker_url="memory://", model=Path("unused"))
+    keys.save_identity(keys.generate_identity(), settings.service_key_dir)
+    migrate.upgrade(Database(db_url).engine)
+    rt = WorkerRuntime(app=None, settings=settings)
+    rt._engine, rt._model = StandInModel.engine, StandInModel()
+    yield rt
+    rt.db.dispose()
+
+
+BEHAVIOURS = [
+    "fine-1",
+    "requests-crash",
+    "bad",
+    "engine-refuses",
+    "engine-crash",
+    "result-crash",
+    "unserialisable",
+    "bad-status",
+    "stale-result",  # a results row is there already: the insert fails after the document's update
+    "long-error",
+    "fine-2",
+]
+
+
+def make_job(rt, client):
+    job_id = str(uuid.uuid4())
+    service = rt.identity.public
+    with rt.db.transaction() as s:
+        s.add(
+            Client(
+                fingerprint="c" * 64, name="c", x25519_public=client.public.x25519, ed25519_public=b"e" * 32
+            )
+        )
+        s.flush()
+        s.add(
+            Job(
+                id=job_id,
+                kind="probe",
+                client_fingerprint="c" * 64,
+                manifest="{}",
+                signature=b"",
+                total=len(BEHAVIOURS),
+            )
+        )
+        s.flush()
+        for i, data in enumerate(BEHAVIOURS):
+            doc_id = f"{job_id[:8]}-{i}"
+            sealed = envelope.seal_document(
+                envelope.pack_document(data, data.encode()), service.x25519, job_id, doc_id
+            )
+            s.add(
+                Document(
+                    id=doc_id,
+                    job_id=job_id,
+                    index=i,
+                    shard=0,
+                    sealed=sealed,
+                    sealed_name=b"n",
+                    sha256=envelope.sha256_hex(sealed),
+                    size=len(data),
+                )
+            )
+    return job_id
+
+
+def test_each_document_fails_or_is_given_back_alone(runtime):
+    client = keys.generate_identity()
+    job = make_job(runtime, client)
+    with runtime.db.transaction() as s:
+        leased, _ = store.lease(s, job, 0, runtime.worker_id, lease_seconds=60, max_attempts=3)
+        work = [Leased(d.id, d.index, d.sealed) for d in leased]
+        stale = leased[BEHAVIOURS.index("stale-result")]
+        s.add(Result(document_id=stale.id, job_id=job, sealed=b"stale"))
+        hashes = {d.id: d.sha256 for d in leased}
+    outcomes = runtime._run(job, Probe(), work, hashes, priority=0)
+    recorded = runtime._record(job, outcomes, client.public.x25519)
+    assert sorted(recorded) == ["done", "done", "failed", "failed", "failed"]
+
+    with runtime.db.transaction() as s:
+        docs = {BEHAVIOURS[d.index]: d for d in s.scalars(select(Document).where(Document.job_id == job))}
+        results = {r.document_id: r for r in s.scalars(select(Result).where(Result.job_id == job))}
+        events = s.scalars(select(audit.AuditEvent).where(audit.AuditEvent.action == "document_failed")).all()
+        assert audit.verify(s, verify_signature=lambda *_: True).ok
+    given_back = {
+        "requests-crash",
+        "engine-crash",
+        "result-crash",
+        "unserialisable",
+        "bad-status",
+        "stale-result",
+    }
+    assert {name for name, d in docs.items() if d.status == "pending"} == given_back
+    assert all(docs[n].attempts == 1 and docs[n].error.startswith("internal error (") for n in given_back)
+    assert {name for name, d in docs.items() if d.status == "done"} == {"fine-1", "fine-2"}
+    assert {name for name, d in docs.items() if d.status == "failed"} == {
+        "bad",
+        "engine-refuses",
+        "long-error",
+    }
+    assert len(docs["long-error"].error) == store.MAX_REASON
+    assert {json.loads(e.details)["code"] for e in events} == {"invalid_request_error", "processing_error"}
+    for name in ("fine-1", "bad", "engine-refuses", "long-error", "fine-2"):
+        doc, row = docs[name], results[docs[name].id]
+        statement = store.result_statement(job, doc.id, row.sealed, doc.status)
+        assert keys.verify_signature(runtime.identity.public, statement, row.signature)
+    opened = json.loads(envelope.open_result(results[docs["bad"].id].sealed, client, job, docs["bad"].id))
+    assert opened["detail"] == SECRET * 100 and opened["error"] == "body.x must be a number"
+    clear = [d.error or "" for d in docs.values()] + [e.details for e in events]
+    assert not any(SECRET in text for text in clear)
