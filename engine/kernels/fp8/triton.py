@@ -168,7 +168,9 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[tor
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m > 0 and k > 0:
-        block_m = min(16, triton.next_power_of_2(m))
+        # 64 rows per program for prefill-sized M: 16-row programs ran at a third of the copy bandwidth
+        # (35 us for 8,192 x 2,048 bf16 on an H200).
+        block_m = min(64 if m >= 1024 else 16, triton.next_power_of_2(m))
         grid = (triton.cdiv(m, block_m), groups)
         _quantize_kernel[grid](
             x2,
@@ -199,9 +201,10 @@ def fp8_block_linear(
     # Imported here: `linear.triton` imports `quantize_rows` from this module.
     from engine.kernels.linear import triton as linear_triton
 
-    rows = linear_triton.FP8_PREFER_MAX_ROWS
-    if linear_triton.fits(x, weight, rows) and weight.shape[0] <= linear_triton.FP8_PREFER_MAX_N:
-        return linear_triton.fp8_linear(x, weight, weight_scale_inv, bias, block)
+    if linear_triton.fits(x, weight, linear_triton.FP8_PREFER_MAX_ROWS):
+        # Wide outputs: x quantised once by its own launch (every program would repeat it inline).
+        wide = weight.shape[0] > linear_triton.FP8_PREFER_MAX_N
+        return linear_triton.fp8_linear(x, weight, weight_scale_inv, bias, block, prequantize=wide)
     return fp8_block_gemm(x, weight, weight_scale_inv, bias, block)
 
 

@@ -61,7 +61,11 @@ PREFER_MAX_N = 512  # `linear` takes the kernel for N up to this at any M <= MAX
 # vs 14.6, the router 3.4 vs 3.6 with the default tiles): 3,088 programs for in_proj_qkvz, each with 4 rows'
 # 2 KB steps in flight, and few registers.
 WIDE_MAX_ROWS = 1
-FP8_PREFER_MAX_ROWS, FP8_PREFER_MAX_N = 1, 4096  # `fp8.triton.fp8_block_linear` takes it within these
+# `fp8.triton.fp8_block_linear` takes it at up to FP8_PREFER_MAX_ROWS rows: x quantised inline up to
+# FP8_PREFER_MAX_N outputs, and by the quantiser first above (FP8Q_TILES; H200 at 78dc92c, L2 flushed, us per
+# call with the quantiser: in_proj_qkvz 12.4 vs 14.3 for the quantiser + GEMM and 16.4 inline, qkv_proj 10.6
+# vs 12.6 and 13.9; out_proj 7.3 vs 9.0 inline at its best tiles, but 7.7 inline with a split K).
+FP8_PREFER_MAX_ROWS, FP8_PREFER_MAX_N = 1, 4096
 PROGRAMS_PER_SM = 4  # K is split until the grid has about this many programs per SM
 _INTERPRETER_SMS = 4  # CPU tensors (Triton's interpreter): a few programs, so small tests still split K
 _SUM_BLOCK = 256  # outputs per program of the split sum
@@ -89,9 +93,9 @@ class LinearTiles:
 # weight byte and thread against 28 with the bf16 tiles).
 FP8_TILES = LinearTiles(block_n=32, k_bytes=256)
 WIDE_TILES = LinearTiles(block_n=4, k_bytes=2048)  # bf16 at up to WIDE_MAX_ROWS rows
-# FP8 with x quantised before the kernel: nothing is repeated per program, so the bf16 one-row shape of
-# narrow tiles with long K steps (2 KB = 16 scale groups of every row per step).
-FP8Q_TILES = LinearTiles(block_n=4, k_bytes=2048)
+# FP8 with x quantised before the kernel: nothing is repeated per program; 16 rows of 512 channels per step
+# (the best of the H200 sweep for in_proj_qkvz and qkv_proj at one row).
+FP8Q_TILES = LinearTiles(block_n=16, k_bytes=512)
 
 
 @triton.jit

@@ -257,12 +257,13 @@ def _conv_cases() -> list[Case]:
 
 def _fp8_cases() -> list[Case]:
     cases = []
-    # Activation quantisation: BLOCK_M = min(16, next_pow2(tokens)), 128-channel groups.
+    # Activation quantisation: BLOCK_M = min(16, next_pow2(tokens)), 64 from 1,024 tokens; 128-channel groups.
     for dt, block_m, k in (
         ("bf16", 1, HIDDEN),
         ("bf16", 4, 4096),
         ("bf16", 16, MOE_INTER),
         ("fp32", 16, HIDDEN),
+        ("bf16", 64, HIDDEN),  # prefill-sized M
     ):
         cases.append(
             Case(
@@ -750,7 +751,7 @@ def _linear_cases() -> list[Case]:
         ("bf16", "fp8e4nv", 8, QKVZ, HIDDEN, 0, True),
         ("bf16", "fp8e4nv", 1, HIDDEN, 4096, 2048, False),
         ("fp32", "fp32", 2, 257, HIDDEN, 512, False),
-        # x quantised before the kernel (X_QUANT: x e4m3 with its scales), FP8Q_TILES: 4 rows, 16 groups.
+        # x quantised before the kernel (X_QUANT: x e4m3 with its scales), FP8Q_TILES: 16 rows, 4 groups.
         ("fp8e4nv", "fp8e4nv", 1, QKVZ, HIDDEN, 0, False),
         ("fp8e4nv", "fp8e4nv", 1, HIDDEN, 4096, 2048, False),
     )
@@ -790,10 +791,10 @@ def _linear_cases() -> list[Case]:
                     stride_on=1,
                     ROWS=rows,
                     BLOCK_M=1 << (rows - 1).bit_length(),
-                    BLOCK_N=4 if x_quant else 32 if fp8 else 8,
+                    BLOCK_N=16 if x_quant else 32 if fp8 else 8,
                     GROUP=group,
                     BLOCK_C=group,
-                    KG=16 if x_quant else 2 if fp8 else 1024 // elem // group,
+                    KG=4 if x_quant else 2 if fp8 else 1024 // elem // group,
                     HAS_BIAS=bias,
                     USE_FP8=fp8,
                     USE_SPLIT=split,

@@ -56,7 +56,8 @@ def assert_same_quantisation(x, group):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
-    "m, k, group", [(1, 128, 128), (3, 200, 128), (63, 136, 128), (65, 272, 128), (5, 40, 16)]
+    "m, k, group",
+    [(1, 128, 128), (3, 200, 128), (63, 136, 128), (65, 272, 128), (5, 40, 16), (1030, 136, 128)],
 )
 def test_quantize_matches_reference(m, k, group, dtype):
     assert_same_quantisation(activations(m, k, dtype, seed=m + k, wide=True), group)

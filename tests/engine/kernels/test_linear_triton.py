@@ -192,13 +192,29 @@ def test_fp8_block_linear_routes_by_rows(m, monkeypatch):
     # Up to FP8_PREFER_MAX_ROWS rows (and N) the weight-streaming kernel, above it the quantiser + GEMM.
     calls = []
     small, gemm = linear_triton.fp8_linear, fp8_triton.fp8_block_gemm
-    monkeypatch.setattr(linear_triton, "fp8_linear", lambda *a: calls.append("small") or small(*a))
+    monkeypatch.setattr(linear_triton, "fp8_linear", lambda *a, **k: calls.append("small") or small(*a, **k))
     monkeypatch.setattr(fp8_triton, "fp8_block_gemm", lambda *a: calls.append("gemm") or gemm(*a))
     x = fp8_activations(m, 136, torch.float32, seed=2)
     w, scale = fp8_weight(40, 136, (128, 128), seed=3)
     out = fp8_triton.fp8_block_linear(x, w, scale)
     assert calls == ["small" if m <= linear_triton.FP8_PREFER_MAX_ROWS else "gemm"]
     torch.testing.assert_close(out, fp8_reference.fp8_block_linear(x, w, scale), **FP8_TOL[torch.float32])
+
+
+def test_fp8_block_linear_prequantizes_wide_outputs(monkeypatch):
+    # One row: inline quantisation up to FP8_PREFER_MAX_N outputs, the quantiser first above it.
+    monkeypatch.setattr(linear_triton, "FP8_PREFER_MAX_N", 32)
+    seen = []
+    small = linear_triton.fp8_linear
+    monkeypatch.setattr(
+        linear_triton, "fp8_linear", lambda *a, **k: seen.append(k["prequantize"]) or small(*a, **k)
+    )
+    x = fp8_activations(1, 136, torch.float32, seed=2)
+    for n in (32, 40):
+        w, scale = fp8_weight(n, 136, (128, 128), seed=3)
+        out = fp8_triton.fp8_block_linear(x, w, scale)
+        torch.testing.assert_close(out, fp8_reference.fp8_block_linear(x, w, scale), **FP8_TOL[x.dtype])
+    assert seen == [False, True]
 
 
 def test_fp8_split_k_deterministic(nan_empty):
