@@ -84,7 +84,11 @@ def as_text(data: str | bytes, what: str, max_bytes: int | None = None) -> str:
 
 
 def loads(
-    data: str | bytes, what: str = "JSON", max_depth: int = MAX_DEPTH, max_bytes: int | None = None
+    data: str | bytes,
+    what: str = "JSON",
+    max_depth: int = MAX_DEPTH,
+    max_bytes: int | None = None,
+    check_unicode: bool = True,
 ) -> Any:
     """Parse `data` (text or UTF-8 bytes) nested at most `max_depth` deep, without NaN or infinities.
 
@@ -103,7 +107,8 @@ def loads(
         raise JSONInputError(f"{what} is nested too deeply") from None
     if _SPACE.match(text, end).end() != len(text):
         raise JSONInputError(f"{what} is not valid JSON (extra data at offset {end})")
-    _check_unicode(text, value, what)
+    if check_unicode:
+        _check_unicode(text, value, what)
     return value
 
 
@@ -120,15 +125,20 @@ def _check_unicode(text: str, value: Any, what: str) -> None:
 
 
 def load_members(
-    data: str | bytes, what: str = "JSON", max_depth: int = MAX_DEPTH, max_bytes: int | None = None
+    data: str | bytes,
+    what: str = "JSON",
+    max_depth: int = MAX_DEPTH,
+    max_bytes: int | None = None,
+    check_unicode: bool = True,
 ) -> dict[str, Any]:
     """The members of a top-level JSON object; a member nested deeper than the limit becomes `TooDeep`.
 
-    So a batch line whose body is 100,000 levels deep still yields its custom_id and fails alone.
+    So a batch line whose body is 100,000 levels deep still yields its custom_id and fails alone. Without
+    `check_unicode`, lone surrogates are left for the caller to find member by member (`has_lone_surrogate`).
     """
     text = as_text(data, what, max_bytes)
     if text.count("[") + text.count("{") <= max_depth or nesting_depth(text)[1] <= max_depth:
-        value = loads(text, what, max_depth)
+        value = loads(text, what, max_depth, check_unicode=check_unicode)
         if not isinstance(value, dict):
             raise JSONInputError(f"{what} must be a JSON object, not {json_type(value)}")
         return value
@@ -138,8 +148,18 @@ def load_members(
         members = _walk_members(text, max_depth)
     except ValueError as exc:
         raise _decode_error(what, exc) from None
-    _check_unicode(text, members, what)
+    if check_unicode:
+        _check_unicode(text, members, what)
     return members
+
+
+def has_lone_surrogate(value: Any) -> bool:
+    """Whether a parsed value (keys included) holds a lone surrogate, which no UTF-8 encoder accepts."""
+    try:
+        json.dumps(value, ensure_ascii=False, default=lambda _: None).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _walk_members(text: str, max_depth: int) -> dict[str, Any]:

@@ -122,7 +122,7 @@ def _what(value: Any) -> str:
 
 
 def _request(doc: Document) -> tuple[str, dict[str, Any]]:
-    """The url and body of a batch line (checked by `parse_batch_file` on the client, and again here)."""
+    """The url and body of a batch line (checked by `read_batch_file` on the client, and again here)."""
     line = parse_line(doc.data)
     if isinstance(line, BadLine):
         raise _invalid(f"the request is not a valid batch line: {line.problem}")

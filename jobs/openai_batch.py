@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobs.base import INVALID_REQUEST, PROCESSING_ERROR, one_line
-from jobs.bounded_json import MAX_DEPTH, JSONInputError, TooDeep, json_type, load_members
+from jobs.bounded_json import MAX_DEPTH, JSONInputError, TooDeep, has_lone_surrogate, json_type, load_members
 
 _FIELDS = ("custom_id", "method", "url", "body")
 MAX_LINE_BYTES = 64 * 2**20  # far above any document limit: a bound on parsing, not a quota
@@ -68,12 +68,13 @@ class BatchLine:
 @dataclass(frozen=True)
 class BadLine:
     """A line that cannot be run: `problem` is content-free; `custom_id` is None when the line has no usable,
-    unique one."""
+    unique one; `duplicate` when its custom_id is that of an earlier line."""
 
     line_no: int
     custom_id: str | None
     problem: str
     raw: bytes
+    duplicate: bool = False
 
 
 def read_batch_file(data: bytes) -> list[BatchLine | BadLine]:
@@ -89,7 +90,7 @@ def read_batch_file(data: bytes) -> list[BatchLine | BadLine]:
         if line.custom_id is not None:
             if line.custom_id in first_seen:
                 first = first_seen[line.custom_id]
-                line = BadLine(number, None, f"duplicate custom_id (first on line {first})", raw)
+                line = BadLine(number, None, f"duplicate custom_id (first on line {first})", raw, True)
             else:
                 first_seen[line.custom_id] = number
         lines.append(line)
@@ -111,12 +112,20 @@ def parse_batch_file(data: bytes) -> list[BatchLine]:
 def parse_line(raw: bytes, line_no: int = 1) -> BatchLine | BadLine:
     """One line of a batch file (also what the worker reads back as a chat document)."""
     try:
-        value = load_members(raw, "the line", MAX_DEPTH, MAX_LINE_BYTES)
+        value = load_members(raw, "the line", MAX_DEPTH, MAX_LINE_BYTES, check_unicode=False)
     except JSONInputError as exc:
         return BadLine(line_no, None, str(exc).removeprefix("the line "), raw)
+    # Lone surrogates (a "\ud800" escape) are looked for member by member, so the custom_id survives one
+    # in the body; a member named otherwise is not named here (its name is content).
+    lone = [name for name, member in value.items() if has_lone_surrogate({name: member})]
     custom_id = value.get("custom_id")
-    usable_id = isinstance(custom_id, str) and 0 < len(custom_id) <= MAX_CUSTOM_ID
+    usable_id = isinstance(custom_id, str) and 0 < len(custom_id) <= MAX_CUSTOM_ID and "custom_id" not in lone
     problems = [f"missing field '{name}'" for name in _FIELDS if name not in value]
+    problems += [
+        f"{name} holds a lone surrogate (a \\ud800-style escape)" for name in _FIELDS if name in lone
+    ]
+    if any(name not in _FIELDS for name in lone):
+        problems.append("a member holds a lone surrogate (a \\ud800-style escape)")
     method, url, body = (value.get(name) for name in _FIELDS[1:])
     if "custom_id" in value and not usable_id:
         problems.append(f"custom_id must be a non-empty string of at most {MAX_CUSTOM_ID} characters")

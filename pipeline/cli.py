@@ -199,8 +199,14 @@ def clients_revoke(ctx: click.Context, fingerprint: str) -> None:
 @click.option(
     "--openai-batch", "batch", type=click.Path(path_type=Path), help="An OpenAI Batch API JSONL file."
 )
-@click.option("--name", default="", help="A label for the job (stored in clear; do not put secrets here).")
-@click.option("--param", "params", multiple=True, help="key=value parameter of the job kind (repeatable).")
+@click.option("--name", default="", help="A label for the job (sealed to this client, like file names).")
+@click.option(
+    "--param",
+    "params",
+    multiple=True,
+    help="key=value parameter of the job kind (repeatable); key=@FILE sends the text of FILE, read here "
+    "(@@ keeps a literal @). Parameters are sealed to the service.",
+)
 @click.option("--priority", type=click.IntRange(0, 9), default=0, help="0..9, higher first.")
 @click.option(
     "--job-id",
@@ -211,6 +217,7 @@ def clients_revoke(ctx: click.Context, fingerprint: str) -> None:
 @click.pass_context
 def submit(ctx, paths, kind, batch, name, params, priority, job_id, as_json) -> None:
     """Seal documents on this machine and submit them as one job."""
+    from jobs.params import resolve_file_params
     from pipeline import client as c
 
     settings = settings_of(ctx)
@@ -229,7 +236,7 @@ def submit(ctx, paths, kind, batch, name, params, priority, job_id, as_json) -> 
         if batch:
             result = c.submit_openai_batch(session, batch, name, priority, job_id, announce)
         else:
-            params = _params(params)
+            params = resolve_file_params(_params(params))
             result = c.submit_files(session, list(paths), kind, params, name, priority, job_id, announce)
     finally:
         session.close()
@@ -279,7 +286,8 @@ def status(ctx: click.Context, job: str | None, watch: bool, as_json: bool) -> N
     """A job's status and progress (without JOB: all jobs)."""
     from pipeline import store
 
-    db = _db(settings_of(ctx))
+    settings = settings_of(ctx)
+    db = _db(settings)
     if job is None:
         return ctx.invoke(jobs, as_json=as_json)
     with db.transaction() as s:
@@ -287,6 +295,7 @@ def status(ctx: click.Context, job: str | None, watch: bool, as_json: bool) -> N
         current = store.job_status(s, job_id)
     if watch and not as_json:
         current = _watch(db, job_id)
+    [current] = _named(settings, [current])
     if as_json:
         return emit(current.as_json())
     _print_status([current])
@@ -325,11 +334,33 @@ def jobs(ctx: click.Context, as_json: bool) -> None:
     """Recent jobs, newest first."""
     from pipeline import store
 
-    with _db(settings_of(ctx)).transaction() as s:
-        rows = store.list_jobs(s)
+    settings = settings_of(ctx)
+    with _db(settings).transaction() as s:
+        rows = _named(settings, store.list_jobs(s))
     if as_json:
         return emit([r.as_json() for r in rows])
     _print_status(rows)
+
+
+def _named(settings: Settings, rows: list) -> list:
+    """`rows` (store.JobStatus) with each job's name opened with this client's key, locally; a name this
+    client cannot open (another client's, or no client key here) shows as empty."""
+    from dataclasses import replace
+
+    from pipeline.client import open_job_name
+
+    identity = _client_identity(settings) if any(r.sealed_name for r in rows) else None
+    return [replace(r, name=open_job_name(identity, r.job_id, r.sealed_name, r.name)) for r in rows]
+
+
+def _client_identity(settings: Settings):
+    from pipeline import keys as k
+    from pipeline.home import CLIENT_PASSPHRASE_ENV, passphrase
+
+    try:
+        return k.load_identity(settings.client_key_dir, passphrase(CLIENT_PASSPHRASE_ENV))
+    except k.KeyFileError:  # no client key on this host, or its passphrase is not set: names stay hidden
+        return None
 
 
 def _print_status(rows) -> None:
@@ -357,6 +388,7 @@ def cancel(ctx: click.Context, job: str, as_json: bool) -> None:
             job_id = _resolve(s, job)
             ok = store.cancel_job(s, job_id, session.fingerprint)
             current = store.job_status(s, job_id)
+        [current] = _named(settings, [current])
     finally:
         session.close()
     if not ok:
@@ -388,12 +420,14 @@ def results(ctx: click.Context, job: str, out_dir: Path, partial: bool, as_json:
         with session.db.transaction() as s:
             job_id = _resolve(s, job)
         job_row, records = c.fetch_results(session, job_id, partial)
+        name = c.job_name(session, job_row)
     finally:
         session.close()
     files = write_results(out_dir, job_row.kind, records)
     refused = [r["error"] for r in records if r["status"] == "refused"]
     summary = {
         "job_id": job_id,
+        "name": name,
         "status": job_row.status,
         "documents": len(records),
         "done": sum(r["status"] == "done" for r in records),

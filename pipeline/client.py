@@ -11,7 +11,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from jobs import make_kind
-from jobs.openai_batch import parse_batch_file
+from jobs.base import INVALID_REQUEST
+from jobs.openai_batch import BadLine, BatchFileError, read_batch_file
 from jobs.repository import walk_repository
 from pipeline import audit, envelope, keys, store, upload
 from pipeline.celery_app import make_celery
@@ -23,6 +24,7 @@ from pipeline.tasks import dispatch_shard
 
 EMPTY_SHA256 = envelope.sha256_hex(b"")
 NAME_NOT_UNICODE = "the file name is not valid UTF-8; rename the file and submit it again"
+MAX_JOB_NAME = 200  # characters of `--name`
 
 
 class ClientError(ValueError):
@@ -133,15 +135,27 @@ def submit_openai_batch(
     job_id: str | None = None,
     announce: Callable[[str], None] | None = None,
 ) -> Submitted:
-    """Store an OpenAI batch file as a `chat` job, one document per request; refused whole if malformed."""
+    """Store an OpenAI batch file as a `chat` job, one document per line. A malformed line fails alone at
+    submit (named by its custom_id, else `line N`; its reason is content-free, with its code); a file without
+    requests, or with a custom_id used twice (OpenAI refuses those), is refused whole. The file's name is
+    not sent: only `name`, sealed."""
     if not file.is_file():
         raise ClientError(f"{file} is not a file")
-    lines = parse_batch_file(file.read_bytes())
+    lines = read_batch_file(file.read_bytes())
+    if dupes := [f"line {x.line_no}: {x.problem}" for x in lines if isinstance(x, BadLine) and x.duplicate]:
+        raise BatchFileError(dupes)
+    if not lines:
+        raise BatchFileError(["the file has no requests"])
     job_kind = make_kind("chat", {})
-    documents = (NewDocument(line.custom_id, line.raw, len(line.raw)) for line in lines)
-    return _store(
-        session, job_kind.name, job_kind.params, documents, name or file.name, priority, job_id, announce
-    )
+    documents = (_batch_document(line) for line in lines)
+    return _store(session, job_kind.name, job_kind.params, documents, name, priority, job_id, announce)
+
+
+def _batch_document(line) -> NewDocument:
+    if isinstance(line, BadLine):
+        reason = store.bounded(f"{INVALID_REQUEST}: line {line.line_no}: {line.problem}")
+        return NewDocument(line.custom_id or f"line {line.line_no}", None, len(line.raw), reason)
+    return NewDocument(line.custom_id, line.raw, len(line.raw))
 
 
 def _read_files(files: list[tuple[str, Path]], limit: int) -> Iterator[NewDocument]:
@@ -166,8 +180,14 @@ def _store(
 ) -> Submitted:
     """Claim the job id, store the documents chunk by chunk, then queue the job and tell the workers."""
     job_id = _checked_job_id(job_id)
+    client_key, service_key = session.identity.public.x25519, session.service.x25519
     try:
-        claimed = upload.begin(session.db, job_id, session.fingerprint, kind, name, priority)
+        sealed_params = envelope.seal_params(params, service_key, job_id)
+        sealed_name = envelope.seal_job_name(name[:MAX_JOB_NAME], client_key, job_id) if name else None
+    except (UnicodeEncodeError, ValueError, TypeError):
+        raise ClientError("the job's name or parameters are not valid Unicode text") from None
+    try:
+        claimed = upload.begin(session.db, job_id, session.fingerprint, kind, sealed_name, priority)
         if isinstance(claimed, Job):
             return Submitted(job_id, claimed.kind, claimed.total, existing=True)
         if announce is not None:
@@ -177,14 +197,16 @@ def _store(
             "version": envelope.MANIFEST_VERSION,
             "job_id": job_id,
             "kind": kind,
-            "params": params,
+            "params_sha256": envelope.sha256_hex(sealed_params),
             "client": session.fingerprint,
             "documents": entries,
             "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         }
         signature = envelope.sign_manifest(manifest, session.identity)
         details = {"kind": kind, "documents": len(entries), "rejected_at_submit": len(rejected)}
-        claimed.finish(envelope.canonical_json(manifest).decode(), signature, len(entries), details)
+        claimed.finish(
+            envelope.canonical_json(manifest).decode(), signature, sealed_params, len(entries), details
+        )
     except upload.UploadError as exc:
         raise ClientError(str(exc)) from None
     dispatched = _dispatch(session.settings, job_id, sorted(shards), priority)
@@ -288,6 +310,11 @@ def fetch_results(session: ClientSession, job_id: str, partial: bool = False) ->
             raise ClientError(f"no job {job_id}")
         if job.client_fingerprint != session.fingerprint:
             raise ClientError(f"job {job_id} was submitted by another client; only its submitter can open it")
+        if job.status == upload.UPLOADING:
+            raise ClientError(
+                f"job {job_id} is still uploading: its submit did not finish; submit it again with "
+                f"--job-id {job_id}"
+            )
         if job.status in store.ACTIVE_JOB and not partial:
             status = store.job_status(s, job_id)
             raise ClientError(
@@ -321,6 +348,9 @@ def _open_record(
     if row is None:
         if doc.status == "done":
             return _refused(path, doc, "its result is missing")
+        code, sep, _ = (doc.error or "").partition(": ")
+        if doc.status == "failed" and sep and code == INVALID_REQUEST:  # a batch line refused at submit
+            record["output"] = {"code": code}
         return record
     sealed, signature = row
     if signature is None:
@@ -341,6 +371,24 @@ def _open_record(
         if opened.get(key) is not None:
             record[key] = opened[key]
     return record
+
+
+def job_name(session: ClientSession, job: Job) -> str:
+    """The job's name, opened with this client's key ("" when it has none or it is not this client's)."""
+    return open_job_name(session.identity, job.id, job.sealed_name, job.name)
+
+
+def open_job_name(identity: keys.Identity | None, job_id: str, sealed: bytes | None, legacy: str = "") -> str:
+    """A job's sealed name opened with `identity`; a job from before names were sealed shows `legacy`;
+    a name that does not open (another client's, or no key) shows as ""."""
+    if sealed is None:
+        return legacy
+    if identity is None:
+        return ""
+    try:
+        return envelope.open_job_name(sealed, identity, job_id)
+    except envelope.EnvelopeError:
+        return ""
 
 
 def _refused(path: str, doc: Document, why: str) -> dict:

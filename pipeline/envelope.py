@@ -4,7 +4,10 @@ Documents are sealed to the service's X25519 key and results to the submitting c
 no associated data, so the context (format version, purpose, job id, document id) is bound through
 `info`: an envelope opens only for the exact job, document and purpose it was sealed for.
 A manifest lists a job's documents with their ciphertext hashes and is signed by the client, so the
-worker can check what it was asked to do before it opens anything.
+worker can check what it was asked to do before it opens anything. A job's parameters are sealed to the
+service (`seal_params`, stored beside the job) and the manifest signs their hash (`params_sha256`, manifest
+version 2); version 1 manifests, which carried the parameters in clear, are still accepted. A job's name is
+sealed to its submitter (`seal_job_name`), like document names.
 
 Manifests and payload headers are untrusted until checked: they are parsed within bounds
 (`jobs.bounded_json`: nesting depth, size), and every failure is an `EnvelopeError` or `ManifestError`
@@ -29,7 +32,8 @@ from pipeline.keys import Identity, PublicIdentity, verify_signature
 
 FORMAT_VERSION = "enclave/1"
 SUITE = hpke.Suite(hpke.KEM.X25519, hpke.KDF.HKDF_SHA256, hpke.AEAD.AES_256_GCM)
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: params sealed to the service, their hash signed; 1: params in clear
+MANIFEST_VERSIONS = (1, 2)
 _HEADER_LEN = struct.Struct(">I")
 MAX_HEADER_BYTES = 64 * 2**10  # a payload header holds one path
 MAX_PATH_CHARS = 4096
@@ -75,8 +79,10 @@ def _open(purpose: str, sealed: bytes, identity: Identity, job_id: str, document
     try:
         return SUITE.decrypt(sealed, identity.x25519_private, info=info)
     except (InvalidTag, ValueError):
-        what = "document" if purpose == "document" else f"{purpose} of document"
-        raise EnvelopeError(f"cannot open {what} {document_id}: wrong key or corrupted ciphertext") from None
+        # A job's own envelopes (its name, its parameters) have no document id.
+        what = f"the {purpose} of job {job_id}" if not document_id else f"{purpose} of document {document_id}"
+        what = f"document {document_id}" if purpose == "document" else what
+        raise EnvelopeError(f"cannot open {what}: wrong key or corrupted ciphertext") from None
 
 
 def seal_document(plaintext: bytes, service_public_x25519: bytes, job_id: str, document_id: str) -> bytes:
@@ -108,6 +114,33 @@ def seal_name(path: str, client_public_x25519: bytes, job_id: str, document_id: 
 def open_name(sealed: bytes, client_identity: Identity, job_id: str, document_id: str) -> str:
     """Decrypt a `seal_name` envelope with the client key."""
     return _open("name", sealed, client_identity, job_id, document_id).decode("utf-8", "replace")
+
+
+def seal_job_name(name: str, client_public_x25519: bytes, job_id: str) -> bytes:
+    """Encrypt a job's name to its submitter, bound to the job (the service stores it, never reads it)."""
+    return _seal("jobname", name.encode("utf-8", "surrogateescape"), client_public_x25519, job_id, "")
+
+
+def open_job_name(sealed: bytes, client_identity: Identity, job_id: str) -> str:
+    """Decrypt a `seal_job_name` envelope with the client key."""
+    return _open("jobname", sealed, client_identity, job_id, "").decode("utf-8", "replace")
+
+
+def seal_params(params: dict[str, Any], service_public_x25519: bytes, job_id: str) -> bytes:
+    """Encrypt a job's parameters (canonical JSON) to the service, bound to the job."""
+    return _seal("params", canonical_json(params), service_public_x25519, job_id, "")
+
+
+def open_params(sealed: bytes, service_identity: Identity, job_id: str) -> dict[str, Any]:
+    """Decrypt and parse a `seal_params` envelope with the service key; `EnvelopeError` (content-free) when it
+    does not open or is not a JSON object within bounds."""
+    try:
+        params = load_json(_open("params", sealed, service_identity, job_id, ""), "job parameters")
+    except JSONInputError as exc:
+        raise EnvelopeError(f"malformed sealed parameters: {exc}") from None
+    if not isinstance(params, dict):
+        raise EnvelopeError("malformed sealed parameters: not a JSON object")
+    return params
 
 
 def pack_document(path: str, data: bytes) -> bytes:
@@ -192,11 +225,11 @@ _MANIFEST_FIELDS: dict[str, type] = {
     "version": int,
     "job_id": str,
     "kind": str,
-    "params": dict,
     "client": str,
     "documents": list,
     "created_at": str,
 }
+_PARAMS_FIELD: dict[int, tuple[str, type]] = {1: ("params", dict), 2: ("params_sha256", str)}
 _TYPE_WORDS = {int: "an integer", str: "a string", dict: "an object", list: "a list"}
 
 
@@ -204,14 +237,16 @@ def _check_manifest(manifest: Any) -> None:
     """Raise `ManifestError` naming the first missing or mistyped field."""
     if not isinstance(manifest, dict):
         raise ManifestError("manifest must be a JSON object")
-    for name, kind in _MANIFEST_FIELDS.items():
-        if name not in manifest:
-            raise ManifestError(f"manifest is missing field '{name}'")
-        value = manifest[name]
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise ManifestError(f"manifest field '{name}' must be {_TYPE_WORDS[kind]}")
-    if manifest["version"] != MANIFEST_VERSION:
-        raise ManifestError(f"manifest version is not supported (expected {MANIFEST_VERSION})")
+    _check_field(manifest, "version", int)
+    version = manifest["version"]
+    if version not in MANIFEST_VERSIONS:
+        raise ManifestError(f"manifest version is not supported (expected 1 or {MANIFEST_VERSION})")
+    for name, kind in (*_MANIFEST_FIELDS.items(), _PARAMS_FIELD[version]):
+        _check_field(manifest, name, kind)
+    if version > 1 and "params" in manifest:
+        raise ManifestError(f"a version {version} manifest must not carry 'params' in clear")
+    if version > 1 and not _SHA256_HEX.fullmatch(manifest["params_sha256"]):
+        raise ManifestError("manifest field 'params_sha256' must be 64 lowercase hex characters")
     for name in ("job_id", "client"):
         if not 0 < len(manifest[name]) <= MAX_ID_CHARS:
             raise ManifestError(f"manifest field '{name}' must be 1 to {MAX_ID_CHARS} characters")
@@ -229,3 +264,11 @@ def _check_manifest(manifest: Any) -> None:
         if doc_id in seen:
             raise ManifestError(f"manifest lists one document id twice (documents {seen[doc_id]} and {i})")
         seen[doc_id] = i
+
+
+def _check_field(manifest: dict[str, Any], name: str, kind: type) -> None:
+    if name not in manifest:
+        raise ManifestError(f"manifest is missing field '{name}'")
+    value = manifest[name]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ManifestError(f"manifest field '{name}' must be {_TYPE_WORDS[kind]}")

@@ -43,12 +43,16 @@ class Job(Base):
     __tablename__ = "jobs"
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    name: Mapped[str] = mapped_column(String(200), default="")
+    name: Mapped[str] = mapped_column(String(200), default="")  # jobs before 0005 only; now always ""
+    # The job's name (`--name`), sealed to the submitter; None when it has none.
+    sealed_name: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)
     kind: Mapped[str] = mapped_column(String(40))
     client_fingerprint: Mapped[str] = mapped_column(ForeignKey("clients.fingerprint"))
     priority: Mapped[int] = mapped_column(Integer, default=0)
     status: Mapped[str] = mapped_column(String(16), default="queued")
-    manifest: Mapped[str] = mapped_column(Text)  # canonical JSON: kind, params, document ids and hashes
+    manifest: Mapped[str] = mapped_column(Text)  # canonical JSON: kind, params hash, document ids and hashes
+    # The job's parameters, sealed to the service; the manifest signs their SHA-256 (manifest version 2).
+    sealed_params: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)
     signature: Mapped[bytes] = mapped_column(LargeBinary)  # Ed25519 over the manifest
     # While `uploading`: the token of the submit that owns the upload (a resubmit takes it over); else None.
     upload_token: Mapped[str | None] = mapped_column(String(32), default=None)

@@ -45,6 +45,7 @@ def _batch_record(record: dict) -> dict:
 
 def _write(path: Path, text: str) -> Path:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
+    # backslashreplace: a lone surrogate in a sealed record is written as its JSON escape, not a crash
+    with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as f:
         f.write(text)
     return path

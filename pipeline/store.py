@@ -54,7 +54,8 @@ def result_statement(job_id: str, document_id: str, sealed_result: bytes, status
 
 @dataclass(frozen=True)
 class JobStatus:
-    """A job's state and document counts, as `enclave status` reports them."""
+    """A job's state and document counts, as `enclave status` reports them. `name` is a job's name in clear
+    only for jobs from before names were sealed; the client opens `sealed_name` with its key."""
 
     job_id: str
     name: str
@@ -66,6 +67,7 @@ class JobStatus:
     created_at: datetime | None = None
     finished_at: datetime | None = None
     error: str | None = None
+    sealed_name: bytes | None = None
 
     @property
     def done(self) -> int:
@@ -115,6 +117,7 @@ def job_status(session: Session, job_id: str) -> JobStatus | None:
         job.created_at,
         job.finished_at,
         job.error,
+        job.sealed_name,
     )
 
 

@@ -52,10 +52,14 @@ class Upload:
             self._guard(s)
             s.execute(insert(Document.__table__), rows)
 
-    def finish(self, manifest: str, signature: bytes, total: int, details: dict[str, Any]) -> None:
-        """Queue the job: manifest, dispatch time and audit event in one short transaction."""
+    def finish(
+        self, manifest: str, signature: bytes, sealed_params: bytes, total: int, details: dict[str, Any]
+    ) -> None:
+        """Queue the job: manifest, sealed parameters, dispatch time and audit event in one short
+        transaction."""
         with self.db.transaction() as s:
-            self._guard(s, status="queued", manifest=manifest, signature=signature, total=total)
+            values = {"manifest": manifest, "signature": signature, "sealed_params": sealed_params}
+            self._guard(s, status="queued", total=total, **values)
             s.execute(
                 update(Document.__table__)
                 .where(Document.job_id == self.job_id, Document.status == "pending")
@@ -89,13 +93,16 @@ class Upload:
             )
 
 
-def begin(db: Database, job_id: str, client: str, kind: str, name: str, priority: int) -> Upload | Job:
-    """Claim `job_id` for a new upload by `client`, or return the job if it was already submitted."""
+def begin(
+    db: Database, job_id: str, client: str, kind: str, sealed_name: bytes | None, priority: int
+) -> Upload | Job:
+    """Claim `job_id` for a new upload by `client`, or return the job if it was already submitted.
+    `sealed_name` is the job's name sealed to the client (`envelope.seal_job_name`), or None."""
     token = uuid.uuid4().hex
     for attempt in range(2):
         try:
             with db.transaction() as s:
-                claimed = _claim(s, job_id, client, token, kind, name, priority)
+                claimed = _claim(s, job_id, client, token, kind, sealed_name, priority)
             break
         except IntegrityError:  # a concurrent submit created the same id first: take it over
             if attempt:
@@ -109,7 +116,13 @@ def begin(db: Database, job_id: str, client: str, kind: str, name: str, priority
 
 
 def _claim(
-    session: Session, job_id: str, client: str, token: str, kind: str, name: str, priority: int
+    session: Session,
+    job_id: str,
+    client: str,
+    token: str,
+    kind: str,
+    sealed_name: bytes | None,
+    priority: int,
 ) -> Job | bool:
     """The existing submitted job, or whether an interrupted upload was taken over (False: a new job)."""
     allowed = session.get(Client, client)
@@ -123,7 +136,8 @@ def _claim(
         session.add(
             Job(
                 id=job_id,
-                name=name[:200],
+                name="",
+                sealed_name=sealed_name,
                 kind=kind,
                 client_fingerprint=client,
                 priority=priority,
@@ -142,5 +156,5 @@ def _claim(
         raise UploadError(f"job {job_id} is a {job.kind} job; submit a {kind} job with a new job id")
     if job.status != UPLOADING:
         return job
-    job.name, job.priority, job.upload_token = name[:200], priority, token
+    job.sealed_name, job.priority, job.upload_token = sealed_name, priority, token
     return True

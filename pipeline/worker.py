@@ -79,9 +79,12 @@ def _code_of(result: DocumentResult) -> str | None:
     return _bounded_code(output.get("code") if isinstance(output, dict) else None)
 
 
+ENGINE_REFUSED = "the engine refused the request (see the sealed detail)"
+
+
 def _engine_refused(exc: EngineError) -> DocumentError:
-    # The engine's message names limits and sizes, never prompt text.
-    return DocumentError(str(exc), code=INVALID_REQUEST)
+    # The reason in clear is fixed; the engine's own message goes only into the sealed detail.
+    return DocumentError(f"{ENGINE_REFUSED}: {type(exc).__name__}", code=INVALID_REQUEST, detail=str(exc))
 
 
 def runtime_for(app: Celery) -> WorkerRuntime:
@@ -107,8 +110,9 @@ class WorkerRuntime:
         self._active = 0
         self._active_lock = threading.Lock()
         self._engine_seconds = threading.local()  # time inside engine.generate, per shard thread
-        # (job, digest of manifest + signature + client key) -> verified manifest and its document hashes
-        self._verified: dict[tuple[str, str], tuple[dict, dict[str, str]]] = {}
+        # (job, digest of manifest + signature + sealed params + client key) -> verified manifest, its
+        # document hashes and the job's opened parameters
+        self._verified: dict[tuple[str, str], tuple[dict, dict[str, str], dict]] = {}
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
 
@@ -155,7 +159,7 @@ class WorkerRuntime:
                 return
             priority = job.priority
             try:
-                manifest, hashes, client_x25519 = self._verify(s, job)
+                manifest, hashes, params, client_x25519 = self._verify(s, job)
             except JobRejected as exc:
                 reason = str(exc)
             else:
@@ -177,7 +181,7 @@ class WorkerRuntime:
             work = [Leased(d.id, d.index, d.sealed) for d in leased]
         if not work:
             return
-        kind = self._kind(job_id, manifest)
+        kind = self._kind(job_id, manifest["kind"], params)
         if kind is None:
             return
         outcomes = self._run(job_id, kind, work, hashes, priority)
@@ -194,10 +198,10 @@ class WorkerRuntime:
             getattr(self._engine_seconds, "value", 0.0),
         )
 
-    def _kind(self, job_id: str, manifest: dict) -> JobKind | None:
+    def _kind(self, job_id: str, kind: str, params: dict) -> JobKind | None:
         """The job's kind from its signed parameters; None (and the job failed) when they are invalid."""
         try:
-            return make_kind(manifest["kind"], manifest["params"])
+            return make_kind(kind, params)
         except JobParamError as exc:  # names the parameter
             reason = f"invalid job parameters: {exc}"
         except Exception as exc:
@@ -248,8 +252,9 @@ class WorkerRuntime:
             self._give_back(item, exc)
         return recorded
 
-    def _verify(self, session, job: Job) -> tuple[dict, dict[str, str], bytes]:
-        """Check the allow-list and the manifest signature before anything is opened.
+    def _verify(self, session, job: Job) -> tuple[dict, dict[str, str], dict, bytes]:
+        """Check the allow-list and the manifest signature before anything is opened; returns the manifest,
+        its document hashes, the job's parameters and the client's X25519 key.
 
         The allow-list is read for every shard (revocation takes effect at once); the signature and the
         document set are checked once per job and manifest in this process, not once per shard.
@@ -259,20 +264,37 @@ class WorkerRuntime:
             raise JobRejected(f"client {job.client_fingerprint[:16]} is not on the allow-list")
         if client.revoked_at is not None:
             raise JobRejected(f"client {job.client_fingerprint[:16]} was revoked")
-        key = (job.id, envelope.sha256_hex(job.manifest.encode() + job.signature + client.ed25519_public))
+        signed = job.manifest.encode() + job.signature + (job.sealed_params or b"") + client.ed25519_public
+        key = (job.id, envelope.sha256_hex(signed))
         verified = self._verified.get(key)
         if verified is None:
+            identity = self.identity  # first: a service key that cannot load is an outage, not a bad job
             try:
                 manifest = self._verify_manifest(session, job, client)
+                params = self._params(job, manifest, identity)
             except JobRejected:
                 raise
             except Exception as exc:  # a parser bug must end the job, not leave it queued forever
                 raise JobRejected(f"the manifest could not be checked ({type(exc).__name__})") from None
-            verified = (manifest, {d["id"]: d["sha256"] for d in manifest["documents"]})
+            verified = (manifest, {d["id"]: d["sha256"] for d in manifest["documents"]}, params)
             if len(self._verified) > 1024:
                 self._verified.clear()
             self._verified[key] = verified
         return (*verified, client.x25519_public)
+
+    @staticmethod
+    def _params(job: Job, manifest: dict, identity: keys.Identity) -> dict:
+        """The job's parameters: in clear in a version 1 manifest; else sealed to the service beside the job,
+        with their hash signed in the manifest. Opened in memory only."""
+        if manifest["version"] == 1:
+            return manifest["params"]
+        sealed = job.sealed_params
+        if sealed is None or envelope.sha256_hex(sealed) != manifest["params_sha256"]:
+            raise JobRejected("the job's sealed parameters do not match the signed manifest")
+        try:
+            return envelope.open_params(sealed, identity, job.id)
+        except envelope.EnvelopeError as exc:
+            raise JobRejected(str(exc)) from None
 
     def _verify_manifest(self, session, job: Job, client: Client) -> dict:
         public = keys.PublicIdentity(x25519=client.x25519_public, ed25519=client.ed25519_public)
@@ -406,7 +428,7 @@ class WorkerRuntime:
             "raw": result.raw,
             "usage": result.usage,
         }
-        payload = json.dumps(record, ensure_ascii=False).encode()
+        payload = json.dumps(record, ensure_ascii=True).encode()  # a lone surrogate travels as an escape
         return envelope.seal_result(payload, client_x25519, job_id, item.id)
 
     def _checkpoint(self, session, force: bool = False) -> None:

@@ -31,10 +31,12 @@ class Enclave:
         self.backend = backend
         self.worker_logs: list[str] = []
 
-    def run(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    def run(
+        self, *args: str, check: bool = True, timeout: float = 300, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         proc = subprocess.run(
             [sys.executable, "-m", "pipeline.cli", *args],
-            env=self.env,
+            env=self.env if env is None else env,
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -4,7 +4,7 @@ import json
 
 from sqlalchemy import text
 
-from pipeline import keys
+from pipeline import envelope, keys
 from tests.e2e.conftest import NOTES
 
 GOOD = [str(NOTES / "note-01-chest-pain.txt"), str(NOTES / "note-02-pneumonia.txt")]
@@ -56,20 +56,29 @@ def test_documents_sealed_to_the_wrong_key_fail_and_other_jobs_complete(embedded
 def test_forged_and_unsigned_manifests_are_refused_before_anything_is_opened(embedded):
     forged = embedded.submit(*GOOD, "--kind", "summarize", "--param", "max_tokens=8")
     unsigned = embedded.submit(*GOOD, "--kind", "summarize", "--param", "max_tokens=8")
+    swapped = embedded.submit(*GOOD, "--kind", "summarize", "--param", "max_tokens=8")
     fine = embedded.submit(*GOOD, "--kind", "summarize", "--param", "max_tokens=8")
+    service = keys.load_public(embedded.home / "service")
     db = embedded.database()
     with db.engine.begin() as c:
+        # Other parameters, sealed to the service: with the manifest's hash changed to match (the signature
+        # no longer verifies), or in place of the signed ones (their hash no longer matches).
+        for job in (forged, swapped):
+            other = envelope.seal_params({"max_tokens": 9}, service.x25519, job)
+            c.execute(text("UPDATE jobs SET sealed_params = :p WHERE id = :j"), {"p": other, "j": job})
         manifest = c.execute(text("SELECT manifest FROM jobs WHERE id = :j"), {"j": forged}).scalar_one()
+        signed_hash = json.loads(manifest)["params_sha256"]
         c.execute(
             text("UPDATE jobs SET manifest = :m WHERE id = :j"),
-            {"m": manifest.replace('"max_tokens":8', '"max_tokens":9'), "j": forged},
+            {"m": manifest.replace(signed_hash, envelope.sha256_hex(other)), "j": forged},
         )
         c.execute(text("UPDATE jobs SET signature = :s WHERE id = :j"), {"s": b"", "j": unsigned})
     embedded.work()
+    expected = {forged: "signature", unsigned: "signature", swapped: "sealed parameters do not match"}
     with db.engine.connect() as c:
-        for job in (forged, unsigned):
+        for job, reason in expected.items():
             status, error = c.execute(text("SELECT status, error FROM jobs WHERE id = :j"), {"j": job}).one()
-            assert status == "failed" and "signature" in error
+            assert status == "failed" and reason in error
             assert (
                 c.execute(text("SELECT count(*) FROM results WHERE job_id = :j"), {"j": job}).scalar_one()
                 == 0
@@ -77,7 +86,28 @@ def test_forged_and_unsigned_manifests_are_refused_before_anything_is_opened(emb
     db.dispose()
     assert embedded.json("status", fine)["status"] == "completed"
     rejected = [e for e in embedded.json("audit", "log", "--limit", "500") if e["action"] == "rejected"]
-    assert {e["job_id"] for e in rejected} == {forged, unsigned}
+    assert {e["job_id"] for e in rejected} == {forged, unsigned, swapped}
+
+
+def test_a_job_of_manifest_version_1_with_clear_params_still_runs(embedded):
+    """Jobs stored before parameters were sealed (manifest version 1) run as they did."""
+    job = embedded.submit(*GOOD, "--kind", "summarize", "--param", "max_tokens=8")
+    client = keys.load_identity(embedded.home / "client")
+    db = embedded.database()
+    with db.engine.begin() as c:
+        manifest = json.loads(
+            c.execute(text("SELECT manifest FROM jobs WHERE id = :j"), {"j": job}).scalar_one()
+        )
+        del manifest["params_sha256"]
+        manifest |= {"version": 1, "params": {"max_tokens": 8}}
+        c.execute(
+            text("UPDATE jobs SET manifest = :m, signature = :s, sealed_params = NULL WHERE id = :j"),
+            {"m": json.dumps(manifest), "s": envelope.sign_manifest(manifest, client), "j": job},
+        )
+    db.dispose()
+    embedded.work()
+    status = embedded.json("status", job)
+    assert (status["status"], status["done"]) == ("completed", 2)
 
 
 def test_unknown_and_revoked_clients(embedded, tmp_path):
@@ -124,18 +154,34 @@ def test_document_longer_than_the_context(embedded, tmp_path):
     assert reviewed["status"] == "done" and reviewed["output"]["chunks"] > 1
 
 
-def test_malformed_batch_file_is_refused_whole(embedded, tmp_path):
+def test_malformed_batch_lines_fail_alone_and_a_duplicate_custom_id_refuses_the_file(embedded, tmp_path):
     lines = [
         json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
         "{not json",
         json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}),
         json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "y"}}),
     ]
-    file = tmp_path / "bad.jsonl"
-    file.write_text("\n".join(lines) + "\n")
-    message = one_line_error(embedded.run("submit", "--openai-batch", str(file), check=False))
-    assert "line 2" in message and "line 3" in message and "line 4" in message and "line 1:" not in message
+    dupes = tmp_path / "dupes.jsonl"
+    dupes.write_text("\n".join(lines) + "\n")
+    message = one_line_error(embedded.run("submit", "--openai-batch", str(dupes), check=False))
+    assert message.endswith("nothing was stored: line 4: duplicate custom_id (first on line 1)")
     assert embedded.json("jobs") == []
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines[:3]) + "\n")
+    submitted = embedded.json("submit", "--openai-batch", str(bad))
+    assert submitted["documents"] == 3
+    assert [r["document"] for r in submitted["rejected"]] == ["line 2", "line 3"]
+    embedded.work()
+    status = embedded.json("status", submitted["job_id"])
+    assert (status["status"], status["done"], status["failed"]) == ("completed", 1, 2)
+    out = tmp_path / "out"
+    embedded.run("results", submitted["job_id"], "--out", str(out))
+    written = {x["custom_id"]: x for x in map(json.loads, (out / "output.jsonl").read_text().splitlines())}
+    assert written["a"]["response"]["status_code"] == 200
+    for cid, problem in (("line 2", "is not valid JSON ("), ("line 3", "missing field 'custom_id'")):
+        error = written[cid]["error"]
+        assert error["code"] == "invalid_request_error" and f"{cid}: {problem}" in error["message"]
 
 
 def test_unknown_kind_parameter_and_paths(embedded, tmp_path):

@@ -300,6 +300,14 @@ def scan_system_temp(found: Findings, skip: Path, since: float) -> None:
         found.scan_tree(Path(system), system, skip=[skip], since=since, deep=False)
 
 
+def operator_env(enclave: Enclave, home: Path) -> dict[str, str]:
+    """The environment of a reader of the same database and broker in a home without keys."""
+    database = f"sqlite:///{enclave.home / 'enclave.db'}" if enclave.backend == "embedded" else None
+    env = enclave.env | {"ENCLAVE_HOME": str(home)}
+    env["ENCLAVE_DATABASE_URL"] = env.get("ENCLAVE_DATABASE_URL") or database
+    return env
+
+
 def test_no_canary_in_clear_anywhere(enclave: Enclave, tmp_path):
     started = time.time() - 1
     m = Canaries()
@@ -322,15 +330,29 @@ def test_no_canary_in_clear_anywhere(enclave: Enclave, tmp_path):
             found.scan(f"cli:results {sub.label} output", proc.stdout + proc.stderr)
             records = [json.loads(x) for x in (out / sub.label / "results.jsonl").read_text().splitlines()]
             problems += sealed_problems(m, sub, records)
-    for command in (["jobs", "--json"], ["audit", "log", "--json", "--limit", "100000"], ["audit", "verify"]):
-        proc = enclave.run(*command)
-        found.scan(f"cli:{' '.join(command[:2])} output", proc.stdout + proc.stderr)
+    # What the database shows anyone who reads it: an operator's commands, on a host without the client key.
+    operator = operator_env(enclave, tmp_path / "operator-home")
+    for command in (["jobs", "--json"], ["audit", "log", "--json", "--limit", "100000"]):
+        proc = enclave.run(*command, env=operator)
+        found.scan(f"cli:{' '.join(command[:2])} output (operator)", proc.stdout + proc.stderr)
+        listed = json.loads(proc.stdout)
+        assert len(listed) == len(jobs) if command[0] == "jobs" else listed, "the operator read nothing"
+    proc = enclave.run("audit", "verify")
+    found.scan("cli:audit verify output", proc.stdout + proc.stderr)
 
-    # The positive control: the scanners find the markers where plaintext belongs, the client's --out.
+    # The positive control: the scanners find the markers where plaintext belongs, the client's --out, and
+    # the job names the submitter's own `enclave jobs` opens with its key.
     control = Findings(m)
     control.scan_tree(out, "client-out")
     names = {t for t in m.tags if "_name_" in t and "ignored" not in t and "binary" not in t}
     assert names <= set().union(*control.places.values()), names - set().union(*control.places.values())
+    control.scan("cli:jobs output (submitter)", enclave.run("jobs", "--json").stdout)
+    job_names = {
+        sub.args[sub.args.index("--name") + 1].removeprefix(m.prefix)
+        for sub in submissions.values()
+        if sub.label in jobs and "--name" in sub.args
+    }
+    assert job_names and job_names <= control.places["cli:jobs output (submitter)"], job_names
 
     scan_stores(enclave, found)
     found.scan_tree(tmp_path, "files", skip=[inputs, out, enclave.home])  # TMPDIR, the processes' cwd

@@ -1,5 +1,5 @@
 """`enclave submit`: the job id comes before the upload, a repeated submit with `--job-id` makes no second
-job, and a file name that is not UTF-8 fails that file alone."""
+job, a file name that is not UTF-8 fails that file alone, and `--param key=@file` is read by the client."""
 
 import json
 import os
@@ -7,7 +7,9 @@ import sys
 import uuid
 
 import pytest
+from sqlalchemy import text
 
+from pipeline import envelope, keys
 from tests.e2e.conftest import NOTES
 
 
@@ -48,3 +50,37 @@ def test_submit_can_be_repeated_and_a_bad_name_fails_alone(embedded, tmp_path):
         ("note.txt", "done"),
     ]
     assert records[0]["error"].startswith("the file name is not valid UTF-8")
+
+
+def test_a_param_file_is_read_by_the_client_and_name_and_params_are_sealed(embedded, tmp_path):
+    """`--param schema=@file` sends the file's text (the worker never reads a path); the job's name and its
+    parameters reach the database sealed only, and the submitter's own commands open the name."""
+    schema = {"type": "object", "properties": {"diagnosis": {"type": "string"}}, "required": ["diagnosis"]}
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(schema))
+    note = NOTES / "note-03-fracture.txt"
+    args = [str(note), "--kind", "extract", "--param", f"schema=@{schema_file}"]
+    job = embedded.submit(*args, "--param", "max_tokens=8", "--name", "fracture notes")
+    schema_file.unlink()  # gone before any worker runs: the job carries the schema itself
+
+    db = embedded.database()
+    with db.engine.connect() as c:
+        name, sealed_name, manifest, sealed_params = c.execute(
+            text("SELECT name, sealed_name, manifest, sealed_params FROM jobs WHERE id = :j"), {"j": job}
+        ).one()
+    db.dispose()
+    manifest = json.loads(manifest)
+    assert name == "" and b"fracture" not in bytes(sealed_name) and "params" not in manifest
+    assert manifest["version"] == 2 and manifest["params_sha256"] == envelope.sha256_hex(bytes(sealed_params))
+    service = keys.load_identity(embedded.home / "service")
+    assert envelope.open_params(bytes(sealed_params), service, job)["schema"] == schema
+
+    embedded.work()
+    assert embedded.json("status", job)["name"] == "fracture notes"
+    assert [j["name"] for j in embedded.json("jobs")] == ["fracture notes"]
+    summary = embedded.json("results", job, "--out", str(tmp_path / "out"))
+    assert (summary["name"], summary["done"] + summary["failed"]) == ("fracture notes", 1)
+
+    missing = embedded.run("submit", *args[:3], "--param", "schema=@/nonexistent/schema.json", check=False)
+    assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) == 1
+    assert "the file given for schema with @ cannot be read" in missing.stderr

@@ -87,7 +87,7 @@ def test_completions_prompt(model, prompt):
         (
             {"messages": [{"role": "user", "content": "\ud800"}]},
             "/v1/chat/completions",
-            r"^the request is not a valid batch line: holds a lone surrogate",
+            r"^the request is not a valid batch line: body holds a lone surrogate",
             None,
         ),
         (

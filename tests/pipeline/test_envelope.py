@@ -7,9 +7,13 @@ from pipeline.envelope import (
     ManifestError,
     canonical_json,
     open_document,
+    open_job_name,
+    open_params,
     open_result,
     pack_document,
     seal_document,
+    seal_job_name,
+    seal_params,
     seal_result,
     sha256_hex,
     sign_manifest,
@@ -267,8 +271,9 @@ def test_manifest_missing_field_fails(client, field):
 @pytest.mark.parametrize(
     ("overrides", "reason"),
     [
-        ({"version": 2}, "manifest version is not supported (expected 1)"),
-        ({"version": 10**4000}, "manifest version is not supported (expected 1)"),
+        ({"version": 3}, "manifest version is not supported (expected 1 or 2)"),
+        ({"version": 10**4000}, "manifest version is not supported (expected 1 or 2)"),
+        ({"version": 2}, "manifest is missing field 'params_sha256'"),
         ({"job_id": "j" * 201}, "'job_id' must be 1 to 200 characters"),
         ({"version": True}, "'version' must be an integer"),
         ({"version": "1"}, "'version' must be an integer"),
@@ -328,3 +333,61 @@ def test_sealed_names_open_only_as_names_for_their_document():
             envelope.open_name(sealed, client, *args)
     with pytest.raises(envelope.EnvelopeError):
         envelope.open_result(sealed, client, "job-1", "doc-1")
+
+
+def _manifest_v2(identity, sealed_params: bytes, **overrides) -> dict:
+    manifest = _manifest(identity, version=2, params_sha256=sha256_hex(sealed_params), **overrides)
+    del manifest["params"]
+    return manifest
+
+
+def test_manifest_v2_signs_the_hash_of_sealed_params(client, service):
+    params = {"instructions": CANARY.decode(), "max_tokens": 8}
+    sealed = seal_params(params, service.public.x25519, "job-1")
+    assert CANARY not in sealed
+    manifest = _manifest_v2(client, sealed)
+    text, signature = _signed(client, manifest)
+    assert verify_manifest(text, signature, client.public) == manifest
+    assert CANARY.decode() not in text
+    assert open_params(sealed, service, "job-1") == params
+    for job_id, identity in (("job-2", service), ("job-1", client)):  # another job's, or not the service
+        with pytest.raises(EnvelopeError, match=r"^cannot open the params of job .*wrong key"):
+            open_params(sealed, identity, job_id)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda m: m.update(params={"max_tokens": 8}), "must not carry 'params' in clear"),
+        (lambda m: m.update(params_sha256="AB" * 32), "'params_sha256' must be 64 lowercase hex"),
+        (lambda m: m.update(params_sha256=7), "'params_sha256' must be a string"),
+    ],
+)
+def test_manifest_v2_bad_params_fields_fail(client, service, change, reason):
+    manifest = _manifest_v2(client, seal_params({}, service.public.x25519, "job-1"))
+    change(manifest)
+    signature = client.sign(canonical_json(manifest))
+    with pytest.raises(ManifestError, match=reason):
+        verify_manifest(json.dumps(manifest), signature, client.public)
+
+
+def test_sealed_params_that_are_not_an_object_fail_cleanly(service):
+    from pipeline.envelope import _seal
+
+    for payload in (b"[1]", b"[" * 100_000, CANARY):
+        sealed = _seal("params", payload, service.public.x25519, "job-1", "")
+        with pytest.raises(EnvelopeError) as excinfo:
+            open_params(sealed, service, "job-1")
+        assert _one_line(excinfo).startswith("malformed sealed parameters") and "CANARY" not in str(
+            excinfo.value
+        )
+
+
+def test_job_names_open_only_for_their_job_and_client(client, service):
+    sealed = seal_job_name("Jane Doe \u00e9", client.public.x25519, "job-1")
+    assert open_job_name(sealed, client, "job-1") == "Jane Doe \u00e9"
+    for job_id, identity in (("job-2", client), ("job-1", service)):
+        with pytest.raises(EnvelopeError):
+            open_job_name(sealed, identity, job_id)
+    with pytest.raises(EnvelopeError):  # a document name does not open as the job's name
+        open_job_name(seal_result(b"x", client.public.x25519, "job-1", ""), client, "job-1")

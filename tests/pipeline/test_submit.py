@@ -147,14 +147,44 @@ def test_killed_upload_is_invisible_then_restarted_cleanly(session, tmp_path, mo
 
 def test_a_later_submit_with_the_same_id_takes_the_upload_over(session):
     job_id = client.new_job_id()
-    first = upload.begin(session.db, job_id, session.fingerprint, "summarize", "", 0)
-    second = upload.begin(session.db, job_id, session.fingerprint, "summarize", "", 0)
+    first = upload.begin(session.db, job_id, session.fingerprint, "summarize", None, 0)
+    second = upload.begin(session.db, job_id, session.fingerprint, "summarize", None, 0)
     with pytest.raises(upload.UploadError, match="taken over"):
         first.insert([])
     with pytest.raises(upload.UploadError, match="taken over"):
-        first.finish("{}", b"", 0, {})
-    second.finish("{}", b"", 0, {})  # the owner can queue it (an empty job completes at once)
+        first.finish("{}", b"", b"", 0, {})
+    second.finish("{}", b"", b"", 0, {})  # the owner can queue it (an empty job completes at once)
     assert job_row(session, job_id)[0].status == "completed"
+
+
+def test_results_of_a_job_still_uploading_are_refused(session):
+    job_id = client.new_job_id()
+    upload.begin(session.db, job_id, session.fingerprint, "summarize", None, 0)
+    for partial in (False, True):
+        with pytest.raises(client.ClientError, match=f"still uploading.*--job-id {job_id}"):
+            client.fetch_results(session, job_id, partial=partial)
+
+
+def test_a_batch_file_with_bad_lines_stores_each_as_failed_alone(session, tmp_path):
+    good = {"custom_id": "good", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi"}}
+    deep = '{"custom_id": "deep", "method": "POST", "url": "/v1/completions", "body": ' + "[" * 100_000
+    batch = tmp_path / "secret-batch-name.jsonl"
+    batch.write_text(json.dumps(good) + "\n" + deep + "]" * 100_000 + "}\n" + '{"no": "id"' + "\n")
+    result = client.submit_openai_batch(session, batch, name="ward 3")
+    job, docs = job_row(session, result.job_id)
+    assert job.name == "" and client.job_name(session, job) == "ward 3"
+    names = [envelope.open_name(d.sealed_name, session.identity, job.id, d.id) for d in docs]
+    assert names == ["good", "deep", "line 3"]
+    assert [d.status for d in docs] == ["pending", "failed", "failed"]
+    assert docs[1].error == "invalid_request_error: line 2: body is nested more than 63 levels deep"
+    assert docs[2].error.startswith("invalid_request_error: line 3: is not valid JSON (")
+    assert [r[0] for r in result.rejected] == ["deep", "line 3"]
+
+    dupes = tmp_path / "dupes.jsonl"
+    dupes.write_text(json.dumps(good) + "\n" + json.dumps(good | {"body": {"prompt": "SECRET"}}) + "\n")
+    with pytest.raises(client.BatchFileError) as excinfo:
+        client.submit_openai_batch(session, dupes)
+    assert str(excinfo.value) == "the batch file has 1 problem: line 2: duplicate custom_id (first on line 1)"
 
 
 def test_a_job_id_of_another_kind_is_refused(session, tmp_path):

@@ -18,7 +18,7 @@ from pipeline import audit, envelope, keys, migrate, store
 from pipeline.db import Database
 from pipeline.models import Client, Document, Job, Result
 from pipeline.settings import Settings
-from pipeline.worker import Leased, WorkerRuntime
+from pipeline.worker import ENGINE_REFUSED, Leased, WorkerRuntime
 
 SECRET = "SECRET-d41c"
 
@@ -54,7 +54,7 @@ class Probe(JobKind):
 class StandInEngine:
     def submit(self, prompt, sampling, **_options):
         if prompt == "engine-refuses":
-            raise EngineError("prompt has 9000 tokens; the limit is 8192")
+            raise EngineError(f"prompt {SECRET} has 9000 tokens; the limit is 8192")
         if prompt == "engine-crash":
             raise MemoryError
         future = Future()
@@ -175,5 +175,9 @@ def test_each_document_fails_or_is_given_back_alone(runtime):
         assert keys.verify_signature(runtime.identity.public, statement, row.signature)
     opened = json.loads(envelope.open_result(results[docs["bad"].id].sealed, client, job, docs["bad"].id))
     assert opened["detail"] == SECRET * 100 and opened["error"] == "body.x must be a number"
+    refused = docs["engine-refuses"]
+    opened = json.loads(envelope.open_result(results[refused.id].sealed, client, job, refused.id))
+    assert refused.error == opened["error"] == f"{ENGINE_REFUSED}: EngineError"
+    assert opened["detail"] == f"prompt {SECRET} has 9000 tokens; the limit is 8192"  # sealed only
     clear = [d.error or "" for d in docs.values()] + [e.details for e in events]
     assert not any(SECRET in text for text in clear)
