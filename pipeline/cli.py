@@ -571,7 +571,8 @@ def db_downgrade(ctx: click.Context, revision: str) -> None:
 @cli.command()
 @click.option("--keep", is_flag=True, help="Keep the temporary home afterwards and print its path.")
 def demo(keep: bool) -> None:
-    """The full encrypted flow on this machine: notes + this repository, worker, results, audit."""
+    """The full encrypted flow on this machine: notes + this repository's jobs package, worker, results,
+    audit."""
     from pipeline.demo import run_demo
 
     raise SystemExit(run_demo(keep=keep))
