@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 clean:
 	rm -rf $(VENV) build *.egg-info
