@@ -146,6 +146,9 @@ class JobKind(ABC):
                 guess = difflib.get_close_matches(key, self.param_names, 1) if isinstance(key, str) else []
                 hint = f"did you mean '{guess[0]}'? " if guess else ""
                 raise JobParamError(f"unknown parameter for kind '{self.name}' ({hint}known: {known})")
+        for key, value in given.items():
+            if not _unicode_text(value):  # a lone surrogate: the parameters could not be sealed as UTF-8
+                raise JobParamError(f"parameter {key} is not valid Unicode text (it holds a lone surrogate)")
         self._params = self.parse_params(given)
 
     @abstractmethod
@@ -194,6 +197,24 @@ def one_line(text: str, limit: int) -> str:
     """`text` on one line (whitespace runs become one space), cut to at most `limit` characters."""
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _unicode_text(value: Any) -> bool:
+    """Whether every string in `value` (nested lists and dicts, keys too) encodes as UTF-8; no recursion."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return True
 
 
 def decode_text(doc: Document) -> str:

@@ -54,6 +54,21 @@ def test_unknown_parameter_suggests_a_known_one_and_never_quotes_the_key(name):
         make_kind(name, [1])
 
 
+@pytest.mark.parametrize(
+    "name, param",
+    [
+        ("code-review", {"focus": "x\ud800"}),
+        ("extract", {"fields": ["a\udfff"]}),
+        ("summarize", {"instructions": "\ud800"}),
+    ],
+)
+def test_a_parameter_with_a_lone_surrogate_is_refused_before_sealing(name, param):
+    # Found by tests/fuzz: such a string passed validation, then could not be encoded as UTF-8 to be sealed.
+    with pytest.raises(JobParamError, match=r"^parameter \w+ is not valid Unicode text") as caught:
+        make_kind(name, {**MINIMAL[name], **param})
+    assert "\ud800" not in str(caught.value) and "\udfff" not in str(caught.value)
+
+
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 2**70, str(2**70), "1" * 5000])
 def test_a_seed_must_fit_in_64_bits(seed):
     with pytest.raises(JobParamError, match=r"^seed must be an integer"):
