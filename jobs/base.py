@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from jobs.bounded_json import json_type
+from jobs.bounded_json import has_lone_surrogate, json_type
 from jobs.params import JobParamError
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ class JobKind(ABC):
                 hint = f"did you mean '{guess[0]}'? " if guess else ""
                 raise JobParamError(f"unknown parameter for kind '{self.name}' ({hint}known: {known})")
         for key, value in given.items():
-            if not _unicode_text(value):  # a lone surrogate: the parameters could not be sealed as UTF-8
+            if has_lone_surrogate(value):  # the parameters could not be sealed as UTF-8
                 raise JobParamError(f"parameter {key} is not valid Unicode text (it holds a lone surrogate)")
         self._params = self.parse_params(given)
 
@@ -197,24 +197,6 @@ def one_line(text: str, limit: int) -> str:
     """`text` on one line (whitespace runs become one space), cut to at most `limit` characters."""
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _unicode_text(value: Any) -> bool:
-    """Whether every string in `value` (nested lists and dicts, keys too) encodes as UTF-8; no recursion."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                return False
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list | tuple):
-            stack.extend(item)
-    return True
 
 
 def decode_text(doc: Document) -> str:

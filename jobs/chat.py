@@ -28,7 +28,7 @@ from jobs.base import (
     one_output,
     usage_of,
 )
-from jobs.bounded_json import json_type
+from jobs.bounded_json import has_lone_surrogate, json_type
 from jobs.openai_batch import BadLine, parse_line
 from jobs.params import MAX_TOKENS_LIMIT, SEED_RANGE, take_int
 
@@ -73,7 +73,7 @@ class Chat(JobKind):
         out, usage = one_output(outputs), usage_of(outputs)
         text = out.text or ""
         name = body.get("model") if isinstance(body.get("model"), str) else "enclave"
-        if not name.isascii() and not _encodes(name):
+        if not name.isascii() and has_lone_surrogate(name):
             name = "enclave"
         choice: dict[str, Any] = {"index": 0}
         if url == CHAT_URL:
@@ -167,14 +167,6 @@ def _content(content: Any, index: int) -> str:
             raise _invalid(f"{path}[{j}].text must be a string, not {_what(part.get('text'))}")
         texts.append(_text(part["text"], f"{path}[{j}].text"))
     return "".join(texts)
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _text(text: str, path: str) -> str:

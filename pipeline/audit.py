@@ -20,6 +20,7 @@ from typing import Any
 from sqlalchemy import Row, func, select, text
 from sqlalchemy.orm import Session
 
+from jobs.bounded_json import has_lone_surrogate
 from pipeline.models import AuditCheckpoint, AuditEvent
 
 SUBMITTED = "submitted"
@@ -261,7 +262,7 @@ def _check_value(details: Any, root: str) -> None:
             stack += [(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)]
         elif isinstance(value, dict):
             for key, item in value.items():
-                if not isinstance(key, str) or len(key) > MAX_STRING or not _encodes(key):
+                if not isinstance(key, str) or len(key) > MAX_STRING or has_lone_surrogate(key):
                     raise ValueError(f"audit {path}: keys must be strings of at most {MAX_STRING} characters")
                 stack.append((item, f"{path}.{key}", depth + 1))
         elif isinstance(value, str):
@@ -270,7 +271,7 @@ def _check_value(details: Any, root: str) -> None:
                     f"audit {path} is a {len(value)}-character string; details hold ids and short codes "
                     f"(at most {MAX_STRING} characters), never document content"
                 )
-            if not _encodes(value):
+            if has_lone_surrogate(value):
                 raise ValueError(f"audit {path} is not valid Unicode (a lone surrogate)")
         elif isinstance(value, bool) or value is None:
             continue
@@ -284,11 +285,3 @@ def _check_value(details: Any, root: str) -> None:
             raise ValueError(
                 f"audit {path} is a {type(value).__name__}; use str, int, float, bool, None, list, dict"
             )
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

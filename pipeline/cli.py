@@ -355,10 +355,9 @@ def _named(settings: Settings, rows: list) -> list:
 
 def _client_identity(settings: Settings):
     from pipeline import keys as k
-    from pipeline.home import CLIENT_PASSPHRASE_ENV, passphrase
 
     try:
-        return k.load_identity(settings.client_key_dir, passphrase(CLIENT_PASSPHRASE_ENV))
+        return k.load_identity(settings.client_key_dir, settings.passphrase("client"))
     except k.KeyFileError:  # no client key on this host, or its passphrase is not set: names stay hidden
         return None
 

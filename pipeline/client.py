@@ -17,7 +17,6 @@ from jobs.repository import walk_repository
 from pipeline import audit, envelope, keys, store, upload
 from pipeline.celery_app import make_celery
 from pipeline.db import Database
-from pipeline.home import CLIENT_PASSPHRASE_ENV, passphrase
 from pipeline.models import Document, Job, Result
 from pipeline.settings import Settings
 from pipeline.tasks import dispatch_shard
@@ -57,7 +56,7 @@ class ClientSession:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.identity = keys.load_identity(settings.client_key_dir, passphrase(CLIENT_PASSPHRASE_ENV))
+        self.identity = keys.load_identity(settings.client_key_dir, settings.passphrase("client"))
         self.service = keys.load_public(settings.service_key_dir)
         self.db = Database(settings.database_url)
 

@@ -14,9 +14,6 @@ from pipeline.db import Database
 from pipeline.models import Client
 from pipeline.settings import Settings
 
-SERVICE_PASSPHRASE_ENV = keys.PASSPHRASE_ENV["service"]  # the worker reads the same variable
-CLIENT_PASSPHRASE_ENV = keys.PASSPHRASE_ENV["client"]
-
 
 @dataclass(frozen=True)
 class InitReport:
@@ -26,12 +23,6 @@ class InitReport:
     client_fingerprint: str
     model: Path
     created: tuple[str, ...]
-
-
-def passphrase(env_var: str) -> bytes | None:
-    """The passphrase in `env_var`, one variable per identity, so init, client and worker agree."""
-    value = os.environ.get(env_var)
-    return value.encode() if value else None
 
 
 def ensure_model(settings: Settings) -> Path:
@@ -64,12 +55,8 @@ def init(settings: Settings, client_name: str | None = None) -> InitReport:
         migrate.upgrade(db.engine)
         if before != migrate.head_revision():
             created.append("database")
-        service = _identity(
-            settings.service_key_dir, passphrase(SERVICE_PASSPHRASE_ENV), created, "service keys"
-        )
-        client = _identity(
-            settings.client_key_dir, passphrase(CLIENT_PASSPHRASE_ENV), created, "client identity"
-        )
+        service = _identity(settings.service_key_dir, settings.passphrase("service"), created, "service keys")
+        client = _identity(settings.client_key_dir, settings.passphrase("client"), created, "client identity")
         name = client_name or os.environ.get("USER") or "local"
         with db.transaction() as s:
             if s.get(Client, client.public.fingerprint) is None:

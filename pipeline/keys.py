@@ -23,11 +23,12 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
 
+from pipeline.settings import PASSPHRASE_ENV  # named in the error for a protected key
+
 X25519_FILE = "x25519.pem"
 ED25519_FILE = "ed25519.pem"
 PUBLIC_FILE = "public.json"
-# The variables that hold the passphrases of the identities in a home's `service/` and `client/` folders.
-PASSPHRASE_ENV = {"service": "ENCLAVE_SERVICE_PASSPHRASE", "client": "ENCLAVE_CLIENT_PASSPHRASE"}
+
 _ENCRYPTED_PEM = b"-----BEGIN ENCRYPTED PRIVATE KEY-----"
 _RAW = serialization.Encoding.Raw, serialization.PublicFormat.Raw
 

@@ -81,6 +81,14 @@ class Settings:
     limits: Limits = Field(default_factory=Limits)
     # EngineOptions.as_kwargs(): passed to Engine.from_pretrained as is
     engine: dict[str, int | str] = Field(default_factory=dict)
+    # The key passphrases, from PASSPHRASE_ENV only (never enclave.toml); never shown.
+    service_passphrase: str | None = Field(None, repr=False)
+    client_passphrase: str | None = Field(None, repr=False)
+
+    def passphrase(self, identity: Literal["service", "client"]) -> bytes | None:
+        """The passphrase of the service's or the client's key files, or None (unprotected)."""
+        value = self.service_passphrase if identity == "service" else self.client_passphrase
+        return value.encode() if value else None
 
     @field_validator("database_url", "broker_url")
     @classmethod
@@ -103,6 +111,8 @@ class Settings:
 
 
 _TOP = ("database_url", "broker_url", "model", "device", "dtype")
+# The variables holding the passphrases of a home's `service/` and `client/` key files.
+PASSPHRASE_ENV = {"service": "ENCLAVE_SERVICE_PASSPHRASE", "client": "ENCLAVE_CLIENT_PASSPHRASE"}
 _TABLES: dict[str, type] = {"limits": Limits, "engine": EngineOptions}
 _SECRET = {  # URLs may hold passwords: never echoed
     "database_url": "a URL such as postgresql+psycopg://user@host/db",
@@ -129,6 +139,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     if isinstance(values.get("model"), str):
         values["model"] = Path(values["model"]).expanduser()
     values |= {"home": home, "limits": limits, "engine": engine.as_kwargs()}
+    values |= {f"{who}_passphrase": env.get(var) or None for who, var in PASSPHRASE_ENV.items()}
     return _checked(Settings, values, sources)
 
 

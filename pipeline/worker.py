@@ -120,9 +120,8 @@ class WorkerRuntime:
     def identity(self) -> keys.Identity:
         with self._load_lock:
             if self._identity is None:
-                passphrase = os.environ.get("ENCLAVE_SERVICE_PASSPHRASE")
                 self._identity = keys.load_identity(
-                    self.settings.service_key_dir, passphrase.encode() if passphrase else None
+                    self.settings.service_key_dir, self.settings.passphrase("service")
                 )
             return self._identity
 
