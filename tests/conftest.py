@@ -6,6 +6,8 @@ import pytest
 import torch
 from sqlalchemy import create_engine, text
 
+from engine.env import reset_engine_env
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
@@ -14,6 +16,14 @@ torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 def _quiet_transformers():
     logging.getLogger("transformers").setLevel(logging.ERROR)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_engine_env():
+    """Each test reads the engine's variables afresh (a test's monkeypatch.setenv takes effect)."""
+    reset_engine_env()
+    yield
+    reset_engine_env()
 
 
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"

@@ -2,6 +2,15 @@ import pytest
 
 from engine import Engine
 from engine.demo_model import write_demo_model
+from engine.env import reset_engine_env
+
+
+@pytest.fixture(autouse=True)
+def _fresh_engine_env():
+    """Each test reads the engine's variables afresh (a test's monkeypatch.setenv takes effect)."""
+    reset_engine_env()
+    yield
+    reset_engine_env()
 
 
 @pytest.fixture(scope="session")
