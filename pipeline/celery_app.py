@@ -10,7 +10,7 @@ from celery import Celery
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport.sqlalchemy import Transport as SQLAlchemyTransport
 
-from pipeline.settings import Settings, SettingsError, load_settings
+from pipeline.settings import Settings, SettingsError, check_engine_env, load_settings
 
 
 class EmbeddedTransport(SQLAlchemyTransport):
@@ -60,6 +60,7 @@ def __getattr__(name: str) -> Celery:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
         app = make_celery(load_settings())
+        check_engine_env()
     except SettingsError as exc:  # one line, not Celery's "unable to load" traceback
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

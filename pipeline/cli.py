@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from pipeline.settings import Settings, SettingsError, load_settings
+from pipeline.settings import Settings, SettingsError, home_of, load_settings
 
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
@@ -25,6 +25,18 @@ log = logging.getLogger("enclave.cli")
 
 class UserError(click.ClickException):
     """One line for the user, exit status 1."""
+
+
+@dataclass
+class Invocation:
+    """One run of the CLI (click's `obj`): the `--home` given, and the settings once read."""
+
+    home: Path | None = None
+    settings: Settings | None = None
+
+    def log_home(self) -> Path:
+        """Where an internal error's stack goes: the settings' home, else --home or ENCLAVE_HOME."""
+        return self.settings.home if self.settings is not None else home_of(self.home)
 
 
 def emit(data: Any) -> None:
@@ -36,17 +48,16 @@ def emit(data: Any) -> None:
 @click.pass_context
 def cli(ctx: click.Context, home: Path | None) -> None:
     """Enclave: encrypted batch LLM jobs on private data, on your own hardware."""
-    if home is not None:
-        os.environ["ENCLAVE_HOME"] = str(home)
+    ctx.ensure_object(Invocation).home = home
 
 
 def settings_of(ctx: click.Context) -> Settings:
     """The settings, read and checked once per process by the first command that needs them (so `--help`,
     `demo` and `bench` work whatever the environment holds); a bad one raises SettingsError."""
-    root = ctx.find_root()
-    if root.obj is None:
-        root.obj = load_settings()
-    return root.obj
+    invocation = ctx.find_root().ensure_object(Invocation)
+    if invocation.settings is None:
+        invocation.settings = load_settings(home=invocation.home)
+    return invocation.settings
 
 
 @cli.command()
@@ -529,9 +540,8 @@ def audit_verify(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def worker(ctx: click.Context, concurrency: int, until_idle: bool, loglevel: str) -> None:
     """Run a GPU worker: serve shard tasks from the broker."""
-    settings = settings_of(
-        ctx
-    )  # first: a bad setting stops the worker before it imports or consumes anything
+    # First: a bad setting stops the worker before it imports or consumes anything.
+    settings = settings_of(ctx)
     from pipeline.worker_process import run_worker
 
     _configure_logging(settings, loglevel)
@@ -550,8 +560,9 @@ def db_upgrade(ctx: click.Context, revision: str) -> None:
     """Apply the migrations (the only way the schema changes)."""
     from pipeline import migrate
 
-    database = _db(settings_of(ctx))
-    migrate.upgrade(database.engine, revision)
+    settings = settings_of(ctx)
+    database = _db(settings)
+    migrate.upgrade(database.engine, revision, settings.migrations)
     out.print(f"database at revision {migrate.current_revision(database.engine)}")
 
 
@@ -562,8 +573,9 @@ def db_downgrade(ctx: click.Context, revision: str) -> None:
     """Revert the schema to REVISION (`base` removes every table)."""
     from pipeline import migrate
 
-    database = _db(settings_of(ctx))
-    migrate.downgrade(database.engine, revision)
+    settings = settings_of(ctx)
+    database = _db(settings)
+    migrate.downgrade(database.engine, revision, settings.migrations)
     out.print(f"database at revision {migrate.current_revision(database.engine) or 'base'}")
 
 
@@ -644,8 +656,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: run the CLI, turning every failure into one line and an exit status."""
     from pipeline.errors import describe
 
+    invocation = Invocation()
     try:
-        cli.main(args=argv, prog_name="enclave", standalone_mode=False)
+        cli.main(args=argv, prog_name="enclave", standalone_mode=False, obj=invocation)
     except SettingsError as exc:  # before any work: a usage error, exit 2 like click's
         click.echo(f"error: {_one_line(str(exc))}", err=True)
         return 2
@@ -662,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
-        click.echo(f"error: {_one_line(describe(exc))}", err=True)
+        click.echo(f"error: {_one_line(describe(exc, invocation.log_home()))}", err=True)
         return 1
     return 0
 

@@ -20,7 +20,7 @@ from pipeline.client import ClientSession, fetch_results, submit_files
 from pipeline.db import Database
 from pipeline.home import init
 from pipeline.results_files import write_results
-from pipeline.settings import Limits, load_settings
+from pipeline.settings import Limits, check_engine_env, load_settings
 from pipeline.worker_process import run_worker
 
 NOTES = Path(__file__).resolve().parent / "demo_notes"
@@ -30,6 +30,7 @@ REPOSITORY = Path(__file__).resolve().parents[1] / "jobs"
 
 
 def run_demo(keep: bool = False) -> int:
+    check_engine_env()  # before the temporary home: a bad engine variable is one line, nothing made
     console = Console()
     home = Path(tempfile.mkdtemp(prefix="enclave-demo-"))
     settings = replace(

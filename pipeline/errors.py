@@ -4,18 +4,20 @@ with their stack (message dropped: it may quote data) and reported by type."""
 from __future__ import annotations
 
 import logging
-import os
 import traceback
 from pathlib import Path
 
 log = logging.getLogger("enclave")
 
 
-def describe(exc: BaseException) -> str:
+def describe(exc: BaseException, home: Path) -> str:
+    """One line for `exc`; an unexpected error's stack goes to `home`/logs/enclave.log (the home the command
+    was given, passed in: the settings may be what failed)."""
     from kombu.exceptions import OperationalError as BrokerError
     from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 
     from engine import EngineError
+    from engine.env import EnvError
     from jobs.base import JobParamError
     from jobs.openai_batch import BatchFileError, join_bounded
     from pipeline.client import ClientError
@@ -39,6 +41,7 @@ def describe(exc: BaseException) -> str:
         return f"cannot reach the broker: {_first_line(str(exc))}"
     known = (
         SettingsError,
+        EnvError,
         KeyFileError,
         EnvelopeError,
         ManifestError,
@@ -52,7 +55,12 @@ def describe(exc: BaseException) -> str:
     )
     if isinstance(exc, known):
         return _first_line(str(exc)) or type(exc).__name__
-    return f"internal error ({type(exc).__name__}); the stack trace is in {_log_internal(exc)}"
+    try:
+        where = f"the stack trace is in {_log_internal(exc, home)}"
+    except OSError as failed:  # the home is unwritable: the error still gets its one line
+        reason = failed.strerror or type(failed).__name__
+        where = f"its stack trace could not be written under {home} ({reason})"
+    return f"internal error ({type(exc).__name__}); {where}"
 
 
 def _first_line(text: str) -> str:
@@ -65,8 +73,7 @@ def stack_without_message(exc: BaseException) -> str:
     return f"{type(exc).__name__} (message withheld: it may quote data)\n{frames}"
 
 
-def _log_internal(exc: BaseException) -> Path:
-    home = Path(os.environ.get("ENCLAVE_HOME") or Path.home() / ".local" / "share" / "enclave").expanduser()
+def _log_internal(exc: BaseException, home: Path) -> Path:
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     file = logs / "enclave.log"

@@ -3,6 +3,7 @@ and the demo model. Every step is idempotent."""
 
 from __future__ import annotations
 
+import getpass
 import os
 import shutil
 import tempfile
@@ -52,12 +53,12 @@ def init(settings: Settings, client_name: str | None = None) -> InitReport:
     db = Database(settings.database_url)
     try:
         before = migrate.current_revision(db.engine)
-        migrate.upgrade(db.engine)
-        if before != migrate.head_revision():
+        migrate.upgrade(db.engine, migrations=settings.migrations)
+        if before != migrate.head_revision(settings.migrations):
             created.append("database")
         service = _identity(settings.service_key_dir, settings.passphrase("service"), created, "service keys")
         client = _identity(settings.client_key_dir, settings.passphrase("client"), created, "client identity")
-        name = client_name or os.environ.get("USER") or "local"
+        name = client_name or _login_name()
         with db.transaction() as s:
             if s.get(Client, client.public.fingerprint) is None:
                 add_client(s, name, client.public, actor=service.public.fingerprint)
@@ -73,6 +74,14 @@ def init(settings: Settings, client_name: str | None = None) -> InitReport:
         model,
         tuple(created),
     )
+
+
+def _login_name() -> str:
+    """This machine's user name (the allow-list entry's default name), or "local" when it has none."""
+    try:
+        return getpass.getuser() or "local"
+    except (OSError, KeyError):  # no LOGNAME/USER and no passwd entry (a bare container)
+        return "local"
 
 
 def _identity(directory: Path, secret: bytes | None, created: list[str], label: str) -> keys.Identity:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from alembic import command
@@ -11,27 +10,29 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
-# The repository's migrations/ (an image or a non-editable install points ENCLAVE_MIGRATIONS at its copy).
-MIGRATIONS = Path(os.environ.get("ENCLAVE_MIGRATIONS") or Path(__file__).resolve().parents[1] / "migrations")
+# The repository's migrations/. An image or a non-editable install sets ENCLAVE_MIGRATIONS
+# (Settings.migrations), which the callers pass as `migrations`.
+MIGRATIONS = Path(__file__).resolve().parents[1] / "migrations"
 
 
-def _config(engine: Engine) -> Config:
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
+def _config(engine: Engine, migrations: Path | None) -> Config:
+    config = _config_without_engine(migrations)
     config.attributes["url"] = engine.url.render_as_string(hide_password=False)
     return config
 
 
-def upgrade(engine: Engine, revision: str = "head") -> None:
+def upgrade(engine: Engine, revision: str = "head", migrations: Path | None = None) -> None:
+    """Apply the migrations in `migrations` (default: the repository's) up to `revision`."""
     with engine.begin() as connection:
-        config = _config(engine)
+        config = _config(engine, migrations)
         config.attributes["connection"] = connection
         command.upgrade(config, revision)
 
 
-def downgrade(engine: Engine, revision: str = "base") -> None:
+def downgrade(engine: Engine, revision: str = "base", migrations: Path | None = None) -> None:
+    """Revert the schema to `revision` with the migrations in `migrations` (default: the repository's)."""
     with engine.begin() as connection:
-        config = _config(engine)
+        config = _config(engine, migrations)
         config.attributes["connection"] = connection
         command.downgrade(config, revision)
 
@@ -41,12 +42,12 @@ def current_revision(engine: Engine) -> str | None:
         return MigrationContext.configure(connection).get_current_revision()
 
 
-def head_revision() -> str:
-    script = ScriptDirectory.from_config(_config_without_engine())
+def head_revision(migrations: Path | None = None) -> str:
+    script = ScriptDirectory.from_config(_config_without_engine(migrations))
     return script.get_current_head() or ""
 
 
-def _config_without_engine() -> Config:
+def _config_without_engine(migrations: Path | None) -> Config:
     config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("script_location", str(migrations or MIGRATIONS))
     return config

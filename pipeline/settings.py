@@ -4,12 +4,21 @@ environment and an optional `enclave.toml` in the home. Environment variables wi
 Production values are URLs such as `postgresql+psycopg://user@host/db` and `redis://host:6379/0`.
 Every value is checked at load: numbers have ranges (nan, infinities, overflow and non-numbers are refused),
 the file's keys must be known ones, and each refusal is one line naming the variable or the file's key.
+
+This module is the pipeline's registry of `ENCLAVE_*` variables: `variables()` lists each one, built from the
+fields below (their descriptions are its documentation), and `settings_table()` renders it, with the engine's
+(`engine/env.py`), as the README's table: `python -m pipeline.settings --readme README.md` rewrites it.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
+import sys
 import tomllib
+import typing
+from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +32,15 @@ _CHECKED = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 class SettingsError(ValueError):
     """A setting is malformed; the message is one line naming it."""
+
+
+def setting(
+    doc: str, default: Any = ..., *, shown: str | None = None, accepts: str | None = None, **checks: Any
+) -> Any:
+    """A field with its meaning (the README's settings table lists it), how its default reads where it is
+    worked out at load time (`shown`), and what it accepts where type and checks do not say (`accepts`)."""
+    extra = {key: text for key, text in (("shown", shown), ("accepts", accepts)) if text}
+    return Field(default, description=doc, json_schema_extra=extra or None, **checks)
 
 
 @dataclass(frozen=True, config=_CHECKED)
@@ -41,11 +59,17 @@ class _Numbers:
 class Limits(_Numbers):
     """Per-document and per-job limits, from `[limits]` of enclave.toml or ENCLAVE_<NAME>."""
 
-    max_document_bytes: int = Field(5_000_000, ge=1, le=1 << 30)  # a document is held in worker memory
-    max_attempts: int = Field(3, ge=1, le=100)
-    lease_seconds: float = Field(300.0, ge=1, le=7 * 24 * 3600)  # 1 s: tests expire leases on purpose
-    shard_size: int = Field(8, ge=1, le=10_000)
-    checkpoint_every: int = Field(100, ge=1, le=1_000_000)
+    max_document_bytes: int = setting(  # a document is held in worker memory
+        "largest document a client submits, in bytes", 5_000_000, ge=1, le=1 << 30
+    )
+    max_attempts: int = setting("attempts per document before it fails", 3, ge=1, le=100)
+    lease_seconds: float = setting(  # 1 s: tests expire leases on purpose
+        "seconds a worker holds a shard before another may take it over", 300.0, ge=1, le=7 * 24 * 3600
+    )
+    shard_size: int = setting("documents per shard (the unit a worker leases)", 8, ge=1, le=10_000)
+    checkpoint_every: int = setting(
+        "audit events between two signed checkpoints of the audit log", 100, ge=1, le=1_000_000
+    )
 
 
 @dataclass(frozen=True, config=_CHECKED)
@@ -53,11 +77,28 @@ class EngineOptions(_Numbers):
     """Options for `Engine.from_pretrained`, from `[engine]` of enclave.toml or ENCLAVE_<NAME>; those left
     unset take the engine's defaults."""
 
-    max_num_seqs: int | None = Field(None, ge=1, le=4096)
-    max_num_batched_tokens: int | None = Field(None, ge=1, le=1 << 20)
-    num_speculative_tokens: int | None = Field(None, ge=0, le=4)  # the engine's MAX_SPECULATIVE_TOKENS
-    kv_cache_memory: int | None = Field(None, ge=1 << 20, le=1 << 42)  # bytes: 1 MiB .. 4 TiB
-    quantization: Literal["none", "fp8"] | None = None
+    max_num_seqs: int | None = setting(
+        "most sequences decoded together; unset: on CUDA what the cache budget affords (at most 1024), "
+        "else 64",
+        None,
+        ge=1,
+        le=4096,
+    )
+    max_num_batched_tokens: int | None = setting(
+        "most tokens in one engine step; unset: 8192", None, ge=1, le=1 << 20
+    )
+    num_speculative_tokens: int | None = setting(  # the engine's MAX_SPECULATIVE_TOKENS
+        "tokens drafted per step with the model's MTP head; unset: 0 (no drafts)", None, ge=0, le=4
+    )
+    kv_cache_memory: int | None = setting(  # bytes: 1 MiB .. 4 TiB
+        "bytes for the DeltaNet state and the KV cache; unset: on a GPU 90% of free memory",
+        None,
+        ge=1 << 20,
+        le=1 << 42,
+    )
+    quantization: Literal["none", "fp8"] | None = setting(
+        "`fp8`: dense projections and routed experts as block-FP8 GEMMs; unset: `none`", None
+    )
 
     @field_validator("quantization", mode="before")
     @classmethod
@@ -72,18 +113,57 @@ class EngineOptions(_Numbers):
 class Settings:
     """Where Enclave keeps its state and which database, broker and model it uses."""
 
-    home: Path
-    database_url: str = Field(min_length=1)
-    broker_url: str = Field(min_length=1)
-    model: Path | None = None  # None: the demo model, written into the home on first use
-    device: str | None = Field(None, min_length=1, max_length=64)
-    dtype: str | None = Field(None, min_length=1, max_length=64)
+    home: Path = setting(
+        "the home: keys, logs, the embedded database and broker, the demo model (`--home` wins)",
+        shown="`~/.local/share/enclave`",
+    )
+    database_url: str = setting(
+        "the database of jobs, results and the audit log",
+        shown="SQLite in the home",
+        accepts="a URL such as postgresql+psycopg://user@host/db",
+        min_length=1,
+    )
+    broker_url: str = setting(
+        "the Celery broker, which carries shard ids to the workers",
+        shown="Kombu's SQLAlchemy transport on SQLite in the home",
+        accepts="a URL such as redis://host:6379/0",
+        min_length=1,
+    )
+    model: Path | None = setting(  # None: the demo model, written into the home on first use
+        "checkpoint directory the workers serve; unset: the random demo model, written into the home", None
+    )
+    device: str | None = setting(
+        "torch device of the workers' engine; unset: CUDA when available, else the CPU",
+        None,
+        min_length=1,
+        max_length=64,
+    )
+    dtype: str | None = setting(
+        "dtype of the workers' engine; unset: bfloat16 on CUDA, else float32",
+        None,
+        min_length=1,
+        max_length=64,
+    )
     limits: Limits = Field(default_factory=Limits)
     # EngineOptions.as_kwargs(): passed to Engine.from_pretrained as is
     engine: dict[str, int | str] = Field(default_factory=dict)
-    # The key passphrases, from PASSPHRASE_ENV only (never enclave.toml); never shown.
-    service_passphrase: str | None = Field(None, repr=False)
-    client_passphrase: str | None = Field(None, repr=False)
+    # The key passphrases come from the environment only (never enclave.toml) and are never shown.
+    service_passphrase: str | None = setting(
+        "passphrase of the home's `service/` key files (init and workers); unset: unprotected keys",
+        None,
+        repr=False,
+    )
+    client_passphrase: str | None = setting(
+        "passphrase of the home's `client/` key files (init and clients); unset: unprotected keys",
+        None,
+        repr=False,
+    )
+    migrations: Path | None = setting(
+        "Alembic migrations folder (an image or a non-editable install points it at its copy)",
+        None,
+        shown="`migrations/` beside the `pipeline` package",
+        accepts="a folder holding Alembic's env.py",
+    )
 
     def passphrase(self, identity: Literal["service", "client"]) -> bytes | None:
         """The passphrase of the service's or the client's key files, or None (unprotected)."""
@@ -95,6 +175,13 @@ class Settings:
     def _url(cls, value: str) -> str:
         if "://" not in value:
             raise ValueError("not a URL")
+        return value
+
+    @field_validator("migrations")
+    @classmethod
+    def _migrations(cls, value: Path | None) -> Path | None:
+        if value is not None and not (value / "env.py").is_file():
+            raise ValueError("no env.py there")
         return value
 
     @property
@@ -110,21 +197,33 @@ class Settings:
         return self.model if self.model is not None else self.home / "models" / "demo"
 
 
+# Settings fields from enclave.toml's top level or ENCLAVE_<NAME>.
 _TOP = ("database_url", "broker_url", "model", "device", "dtype")
+# enclave.toml's tables, each a class whose fields are its keys (and ENCLAVE_<KEY>).
+_TABLES: dict[str, type] = {"limits": Limits, "engine": EngineOptions}
 # The variables holding the passphrases of a home's `service/` and `client/` key files.
 PASSPHRASE_ENV = {"service": "ENCLAVE_SERVICE_PASSPHRASE", "client": "ENCLAVE_CLIENT_PASSPHRASE"}
-_TABLES: dict[str, type] = {"limits": Limits, "engine": EngineOptions}
-_SECRET = {  # URLs may hold passwords: never echoed
-    "database_url": "a URL such as postgresql+psycopg://user@host/db",
-    "broker_url": "a URL such as redis://host:6379/0",
+# Settings fields read from the environment only: field -> variable.
+_ENV_ONLY = {
+    "home": "ENCLAVE_HOME",
+    **{f"{who}_passphrase": var for who, var in PASSPHRASE_ENV.items()},
+    "migrations": "ENCLAVE_MIGRATIONS",
 }
+_UNECHOED = ("database_url", "broker_url")  # URLs may hold passwords (and passphrases are repr=False)
 
 
-def load_settings(env: dict[str, str] | None = None) -> Settings:
-    """Settings from `env` (default: os.environ) and `$ENCLAVE_HOME/enclave.toml`; `SettingsError` names the
-    first bad or unknown key."""
-    env = dict(os.environ if env is None else env)
-    home = Path(env.get("ENCLAVE_HOME") or Path.home() / ".local" / "share" / "enclave").expanduser()
+def home_of(given: Path | None = None, env: Mapping[str, str] | None = None) -> Path:
+    """The home: `given` (`--home`), else ENCLAVE_HOME from `env` (default: os.environ), else the default."""
+    if given is None:
+        given = (os.environ if env is None else env).get("ENCLAVE_HOME") or None
+    return Path(given or Path.home() / ".local" / "share" / "enclave").expanduser()
+
+
+def load_settings(env: Mapping[str, str] | None = None, home: Path | None = None) -> Settings:
+    """Settings from `env` (default: os.environ) and the home's `enclave.toml`; `home` (`--home`) wins over
+    ENCLAVE_HOME. `SettingsError` names the first bad or unknown key."""
+    env = os.environ if env is None else env
+    home = home_of(home, env)
     file = _read_toml(home / "enclave.toml")
     limits = _checked(Limits, *_values(file.get("limits", {}), _names(Limits), env, "[limits] "))
     engine = _checked(
@@ -136,25 +235,43 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "broker_url": f"sqla+sqlite:///{home / 'broker.db'}",
         **values,
     }
-    if isinstance(values.get("model"), str):
-        values["model"] = Path(values["model"]).expanduser()
+    for name, var in _ENV_ONLY.items():
+        if name != "home" and env.get(var):
+            values[name], sources[name] = env[var], var
+    for name in ("model", "migrations"):
+        if isinstance(values.get(name), str):
+            values[name] = Path(values[name]).expanduser()
     values |= {"home": home, "limits": limits, "engine": engine.as_kwargs()}
-    values |= {f"{who}_passphrase": env.get(var) or None for who, var in PASSPHRASE_ENV.items()}
     return _checked(Settings, values, sources)
+
+
+def check_engine_env() -> None:
+    """Read the engine's variables (`engine.env`) now, at a worker's start-up, so that a bad one stops it
+    before it takes any task, as a one-line SettingsError."""
+    from engine.env import EnvError, engine_env  # imports torch: workers only
+
+    try:
+        engine_env()
+    except EnvError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def _names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 
 
+def _variable_name(name: str) -> str:
+    return _ENV_ONLY.get(name) or "ENCLAVE_" + name.upper()
+
+
 def _values(
-    table: dict[str, Any], names: tuple[str, ...], env: dict[str, str], section: str = ""
+    table: dict[str, Any], names: tuple[str, ...], env: Mapping[str, str], section: str = ""
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The values of `names` (file first, then ENCLAVE_<NAME> over it) and where each came from."""
     values = {name: table[name] for name in names if name in table}
     sources = {name: f"enclave.toml {section}{name}" for name in values}
     for name in names:
-        if env.get(var := "ENCLAVE_" + name.upper()):
+        if env.get(var := _variable_name(name)):
             values[name], sources[name] = env[var], var
     return values, sources
 
@@ -168,21 +285,24 @@ def _checked(cls: type, values: dict[str, Any], sources: dict[str, str]) -> Any:
         name = str(loc[0]) if loc else ""
         if name not in sources:
             raise SettingsError(f"{cls.__name__.lower()} setting {name or '?'} is invalid") from None
-        got = "" if name in _SECRET else f", got {_shown(values[name])}"
+        hidden = name in _UNECHOED or not cls.__pydantic_fields__[name].repr
+        got = "" if hidden else f", got {_shown(values[name])}"
         raise SettingsError(f"{sources[name]} must be {_expected(cls, name)}{got}") from None
 
 
 def _expected(cls: type, name: str) -> str:
+    """What field `name` of `cls` accepts, in words (for errors and the settings table)."""
     info = cls.__pydantic_fields__[name]
-    if name in _SECRET:
-        return _SECRET[name]
-    if name == "quantization":
-        return "one of none, fp8"
+    if accepts := (info.json_schema_extra or {}).get("accepts"):
+        return accepts
+    kinds = [a for a in typing.get_args(info.annotation) if a is not type(None)] or [info.annotation]
+    if typing.get_origin(kinds[0]) is Literal:
+        return f"one of {', '.join(typing.get_args(kinds[0]))}"
     bounds = [getattr(m, k) for m in info.metadata for k in ("ge", "le") if hasattr(m, k)]
     if len(bounds) == 2:
-        kind = "a number" if info.annotation is float else "a whole number"
+        kind = "a number" if kinds[0] is float else "a whole number"
         return f"{kind} between {_plain(bounds[0])} and {_plain(bounds[1])}"
-    return "text" if name != "model" else "a path"
+    return "a path" if kinds[0] is Path else "text"
 
 
 def _plain(number: float) -> str:
@@ -190,7 +310,7 @@ def _plain(number: float) -> str:
 
 
 def _shown(value: Any, limit: int = 40) -> str:
-    text = repr(value)
+    text = repr(str(value) if isinstance(value, Path) else value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -220,3 +340,80 @@ def _read_toml(path: Path) -> dict[str, Any]:
         elif key not in _TOP:
             raise SettingsError(f"enclave.toml: unknown setting {key!r} (known: {', '.join(known)})")
     return data
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    """One ENCLAVE_* variable of the pipeline: its enclave.toml key (None: environment only), the values it
+    accepts, its default as the table shows it and its meaning."""
+
+    name: str
+    key: str | None
+    values: str
+    default: str
+    doc: str
+
+
+def variables() -> tuple[Variable, ...]:
+    """Every variable `load_settings` reads, from the settings' fields: a field added to `Settings`,
+    `Limits` or `EngineOptions` is listed here without a second list to keep."""
+    found = [_variable(Settings, "home", None)]
+    found += [_variable(Settings, name, name) for name in _TOP]
+    for table, cls in _TABLES.items():
+        found += [_variable(cls, name, f"[{table}] {name}") for name in _names(cls)]
+    found += [_variable(Settings, name, None) for name in _ENV_ONLY if name != "home"]
+    return tuple(found)
+
+
+def _variable(cls: type, name: str, key: str | None) -> Variable:
+    info = cls.__pydantic_fields__[name]
+    shown = (info.json_schema_extra or {}).get("shown")
+    if shown is None:
+        shown = "unset" if info.is_required() or info.default is None else f"`{_plain(info.default)}`"
+    return Variable(_variable_name(name), key, _expected(cls, name), str(shown), info.description or "")
+
+
+# How engine/env.py's kinds read in the table.
+_ENGINE_VALUES = {"switch": "0 or 1", "splits": "1, 2, 4 or 8", "text": "text"}
+TABLE_START = "<!-- settings table: `python -m pipeline.settings --readme README.md` writes it -->"
+TABLE_END = "<!-- end of the settings table -->"
+
+
+def settings_table() -> str:
+    """The README's settings table: the pipeline's variables, then the engine's (`engine.env.VARIABLES`)."""
+    from engine.env import VARIABLES as ENGINE_VARIABLES  # imports torch: only when the table is wanted
+
+    rows = [(v.name, f"`{v.key}`" if v.key else "", v.default, v.values, v.doc) for v in variables()]
+    for v in ENGINE_VARIABLES:
+        values = ", ".join(v.choices) if v.kind == "choice" else _ENGINE_VALUES.get(v.kind, v.kind)
+        rows.append((v.name, "", f"`{v.default}`" if v.default else "unset", values, v.doc))
+    lines = ["| variable | enclave.toml | default | values | meaning |", "|---|---|---|---|---|"]
+    for name, *cells in rows:
+        lines.append("| " + " | ".join([f"`{name}`", *(c.replace("|", "\\|") for c in cells)]) + " |")
+    return "\n".join(lines)
+
+
+def readme_with_table(text: str) -> str:
+    """`text` (the README) with the table between TABLE_START and TABLE_END replaced by `settings_table()`."""
+    head, start, rest = text.partition(TABLE_START)
+    _, end, tail = rest.partition(TABLE_END)
+    if not (start and end):
+        raise SettingsError(f"the README has no {TABLE_START} ... {TABLE_END} section")
+    return f"{head}{start}\n{settings_table()}\n{end}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipeline.settings --markdown` prints the settings table; `--readme FILE` rewrites it."""
+    parser = argparse.ArgumentParser(prog="python -m pipeline.settings", description=main.__doc__)
+    parser.add_argument("--markdown", action="store_true", help="print the settings table")
+    parser.add_argument("--readme", type=Path, help="rewrite the settings table of this README")
+    args = parser.parse_args(argv)
+    if args.readme:
+        args.readme.write_text(readme_with_table(args.readme.read_text(encoding="utf-8")), encoding="utf-8")
+    if args.markdown or not args.readme:
+        print(settings_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

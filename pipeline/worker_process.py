@@ -9,7 +9,7 @@ import threading
 import time
 
 from pipeline.celery_app import make_celery
-from pipeline.settings import Settings
+from pipeline.settings import Settings, check_engine_env
 from pipeline.worker import runtime_for
 
 log = logging.getLogger("enclave.worker")
@@ -19,8 +19,10 @@ def run_worker(
     settings: Settings, concurrency: int = 2, until_idle: bool = False, loglevel: str = "INFO"
 ) -> int:
     """Serve shard tasks until stopped (SIGTERM/SIGINT), or, with `until_idle`, until no work is left."""
+    check_engine_env()  # a bad ENCLAVE_KERNELS (say) stops the worker here, not in its first shard
     app = make_celery(settings)
     runtime = runtime_for(app)
+    _ = runtime.identity  # the service keys now: a missing passphrase stops the worker in one line
     worker = app.Worker(
         pool="threads",
         concurrency=concurrency,

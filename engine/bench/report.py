@@ -16,6 +16,7 @@ import torch
 from engine.bench.serving import PEERS, peer_metric
 from engine.bench.traffic import ParamCounts
 from engine.config import ModelConfig
+from engine.env import engine_env
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -90,8 +91,8 @@ def _version(package: str) -> str | None:
 
 def _commit() -> str:
     # The device machine's copy of the tree may carry a stale .git: ENCLAVE_COMMIT, when set, wins.
-    if os.environ.get("ENCLAVE_COMMIT"):
-        return os.environ["ENCLAVE_COMMIT"]
+    if commit := engine_env().commit:
+        return commit
     try:
         git = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

@@ -11,10 +11,12 @@ import sys
 
 from sqlalchemy import text
 
-from tests.e2e.conftest import NOTES
+from tests.e2e.conftest import NOTES, ROOT
 
 BAD = ["1e12", "nan", "inf", "-1", "1e400", "abc"]
 VARIABLES = ["ENCLAVE_LEASE_SECONDS", "ENCLAVE_MAX_NUM_SEQS", "ENCLAVE_MAX_ATTEMPTS"]
+# The engine's variables (engine/env.py), checked when a worker starts rather than in its first shard.
+ENGINE_BAD = {"ENCLAVE_KERNELS": "cuda", "ENCLAVE_DELTANET_V_SPLITS": "3", "ENCLAVE_PDL": "yes"}
 # Unknown keys in each part of enclave.toml, and a bad value in the file: (file, the name its error gives).
 BAD_FILES = [
     ('lease_secnds = 5\ndatabase_url = "sqlite:///elsewhere.db"\n', "lease_secnds"),
@@ -102,18 +104,17 @@ def test_each_bad_setting_stops_every_command_before_any_work(embedded):
         ["init"],
     ]
     commands += [([*ENCLAVE, *args], {"ENCLAVE_LEASE_SECONDS": "nan"}) for args in others]
-    commands.append(
-        (
-            [sys.executable, "-m", "celery", "-A", "pipeline.celery_app", "worker"],
-            {"ENCLAVE_MAX_NUM_SEQS": "1e400"},
-        )
-    )
+    commands += [(WORKER, {var: value}) for var, value in ENGINE_BAD.items()]
+    commands.append(([*ENCLAVE, "demo"], {"ENCLAVE_KERNELS": "cuda"}))
+    celery = [sys.executable, "-m", "celery", "-A", "pipeline.celery_app", "worker"]
+    commands += [(celery, {"ENCLAVE_MAX_NUM_SEQS": "1e400"}), (celery, {"ENCLAVE_PDL": "yes"})]
     for proc, (argv, env) in zip(run_all(embedded, commands), commands, strict=True):
         (name,) = env
         assert_one_line_naming(proc, name)
         if argv[2] == "pipeline.cli":
             assert proc.returncode == 2 and proc.stderr.startswith(f"error: {name} must be ")
-            assert "between" in proc.stderr and f"got '{env[name]}'" in proc.stderr
+            assert f"got '{env[name]}'" in proc.stderr
+            assert name in ENGINE_BAD or "between" in proc.stderr
     assert snapshot(embedded) == before
 
     for toml, name in BAD_FILES:
@@ -138,3 +139,16 @@ def test_importing_the_pipeline_reads_no_settings(embedded):
     )
     assert imported.returncode == 0 and imported.stderr == "", imported.stderr
     assert helped.returncode == 0 and "--until-idle" in helped.stdout
+
+
+def test_home_option_is_the_home_whose_file_is_read(tmp_path):
+    """`--home` wins over ENCLAVE_HOME: its enclave.toml is the one checked, an unknown key is one line."""
+    home, other = tmp_path / "home", tmp_path / "other"
+    home.mkdir()
+    (home / "enclave.toml").write_text("[limits]\nmax_attemps = 2\n")
+    env = {"ENCLAVE_HOME": str(other), "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [*ENCLAVE, "--home", str(home), "jobs"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("error: enclave.toml: unknown setting 'max_attemps'") and not other.exists()

@@ -188,3 +188,27 @@ def test_any_text_loads_in_range_or_is_refused_in_one_line(tmp_path_factory, nam
     if value:  # empty: unset, the default
         key = name.removeprefix("ENCLAVE_").lower()
         assert low <= (getattr(s.limits, key, None) or s.engine[key]) <= high
+
+
+def test_home_given_wins_over_the_environment(tmp_path):
+    (tmp_path / "given").mkdir()
+    (tmp_path / "given" / "enclave.toml").write_text("[limits]\nmax_attempts = 7\n")
+    s = load_settings({"ENCLAVE_HOME": str(tmp_path / "other")}, home=tmp_path / "given")
+    assert s.home == tmp_path / "given" and s.limits.max_attempts == 7
+
+
+def test_passphrases_come_from_the_environment_only_and_are_never_shown(tmp_path):
+    env = {"ENCLAVE_HOME": str(tmp_path), "ENCLAVE_SERVICE_PASSPHRASE": "hunter2"}
+    s = load_settings(env)
+    assert s.passphrase("service") == b"hunter2" and s.passphrase("client") is None
+    assert "hunter2" not in repr(s)
+    assert "'service_passphrase'" in refusal(tmp_path, toml='service_passphrase = "hunter2"\n')
+
+
+def test_migrations_folder_must_hold_alembic_env(tmp_path):
+    from pipeline.migrate import MIGRATIONS
+
+    s = load_settings({"ENCLAVE_HOME": str(tmp_path), "ENCLAVE_MIGRATIONS": str(MIGRATIONS)})
+    assert s.migrations == MIGRATIONS
+    message = refusal(tmp_path, {"ENCLAVE_MIGRATIONS": str(tmp_path)})
+    assert message.startswith("ENCLAVE_MIGRATIONS must be a folder holding Alembic's env.py, got '/")
