@@ -38,6 +38,7 @@ from engine import kernels
 from engine.bench.presets import PRESETS, init_parameter_
 from engine.cache import ModelCache
 from engine.config import ModelConfig, config_from_dict
+from engine.env import reset_engine_env
 from engine.kernels import SeqLayout
 from engine.model.decoder import DecoderLayer
 from engine.model.rotary import rope_parameters
@@ -71,9 +72,10 @@ def decode_layout(batch: int, context: int) -> SeqLayout:
 
 @contextlib.contextmanager
 def backend(name: str) -> Iterator[None]:
-    """ENCLAVE_KERNELS=name for the block (dispatch reads it at every call)."""
+    """ENCLAVE_KERNELS=name for the block (the engine keeps its variables: read again on entry and exit)."""
     before = os.environ.get("ENCLAVE_KERNELS")
     os.environ["ENCLAVE_KERNELS"] = name
+    reset_engine_env()
     try:
         yield
     finally:
@@ -81,6 +83,7 @@ def backend(name: str) -> Iterator[None]:
             del os.environ["ENCLAVE_KERNELS"]
         else:
             os.environ["ENCLAVE_KERNELS"] = before
+        reset_engine_env()
 
 
 def deltanet_unfused(m, x: torch.Tensor, state, layout: SeqLayout) -> torch.Tensor:

@@ -37,6 +37,7 @@ if not CUDA:
 
 from engine.bench.presets import QWEN35_35B_A3B, init_parameter_  # noqa: E402
 from engine.config import config_from_dict  # noqa: E402
+from engine.env import reset_engine_env  # noqa: E402
 from engine.kernels.moe import config as moe_config  # noqa: E402
 from engine.kernels.moe import gemv as moe_gemv  # noqa: E402
 from engine.kernels.moe import reference  # noqa: E402
@@ -83,6 +84,7 @@ def build(device: torch.device, dtype: torch.dtype) -> SparseMoe:
 def kernels(backend: str):
     old = os.environ.get("ENCLAVE_KERNELS")
     os.environ["ENCLAVE_KERNELS"] = backend
+    reset_engine_env()
     try:
         yield
     finally:
@@ -90,6 +92,7 @@ def kernels(backend: str):
             os.environ.pop("ENCLAVE_KERNELS")
         else:
             os.environ["ENCLAVE_KERNELS"] = old
+        reset_engine_env()
 
 
 def inputs(block: SparseMoe, t: int, count: int, device: torch.device, dtype: torch.dtype) -> list:

@@ -22,11 +22,12 @@ PDL False, `pdl_wait` is compiled out).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from engine.env import engine_env
 
 try:  # Triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -36,9 +37,8 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off
 
 def pdl_enabled() -> bool:
     """Whether kernels launch with PDL now: a capable GPU and Triton, no interpreter, no ENCLAVE_PDL=0."""
-    if os.environ.get("ENCLAVE_PDL", "1").strip() == "0" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return _supported()
+    env = engine_env()
+    return env.pdl and not env.triton_interpret and _supported()
 
 
 @functools.cache

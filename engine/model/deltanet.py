@@ -6,7 +6,7 @@ from torch import nn
 from engine import kernels
 from engine.cache import LinearState
 from engine.config import ModelConfig
-from engine.kernels import SeqLayout
+from engine.kernels import SeqLayout, dispatch
 from engine.model.linear import Linear
 
 # Sequences up to which short steps take the fused kernel (one program per sequence and value head). H200,
@@ -76,8 +76,10 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: LinearState, layout: SeqLayout) -> torch.Tensor:
         qkv, z, b, a = self.project(x)
         if layout.long_seqs or layout.num_seqs > FUSED_MAX_SEQS:
+            dispatch.choose("deltanet_layer", "unfused")
             out = self._unfused(qkv, z, a, b, state, layout)
         else:  # decode, MTP verify, short chunks of a few sequences: conv, gates, rule and norm in one kernel
+            dispatch.choose("deltanet_layer", "fused")
             out = kernels.deltanet_step(
                 qkv,
                 z,

@@ -350,10 +350,9 @@ def paged_attention(
     if layout.short_seqs:
         _short(q, k_cache, v_cache, layout, scale, out, num_splits, block_n)
     if layout.long_seqs:
-        if dispatch.prefill_kernels_enabled():
+        if dispatch.prefill_kernels_enabled("attention", q=q):
             _long(q, k_cache, v_cache, layout, scale, out, block_m, block_n)
         else:
-            hkv, d = k_cache.shape[2], k_cache.shape[3]
             reference.long_sequences(
                 q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), layout, scale, out
             )

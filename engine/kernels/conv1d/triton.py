@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import dispatch
 from engine.kernels.conv1d import reference
 from engine.kernels.layout import SeqLayout
 from engine.kernels.pdl import pdl_launch, pdl_wait
@@ -129,8 +130,9 @@ def causal_conv1d(
     for i in layout.long_seqs:
         if layout.keeps_states(i):
             raise ValueError("per-position states are only kept for short (verify) steps")
-    if k - 1 > MAX_TILE:
-        return reference.causal_conv1d(x, weight, state, layout, activation)  # no such model; not tiled
+    if k - 1 > MAX_TILE:  # no such model; not tiled
+        dispatch.fallback("causal_conv1d", f"kernel width over {MAX_TILE + 1} (not tiled)", weight=weight)
+        return reference.causal_conv1d(x, weight, state, layout, activation)
     out = torch.empty((t, c), dtype=x.dtype, device=x.device)
     if t == 0:
         return out

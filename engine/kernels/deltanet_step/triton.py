@@ -41,17 +41,17 @@ counter for the next launch (the layers of a step share it) and writes the q/k s
 """
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from engine.env import engine_env
 from engine.kernels.layout import SHORT_QUERY, SeqLayout
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
 # The dv split (`_v_splits`): split while the grid has fewer than this many programs per SM, into at most
-# this many tiles. ENCLAVE_DELTANET_V_SPLITS=1|2|4|... overrides the choice (benchmarks, bisecting).
+# this many tiles. ENCLAVE_DELTANET_V_SPLITS=1|2|4|8 overrides the choice (benchmarks, bisecting).
 _PROGRAMS_PER_SM = 1
 _MAX_V_SPLITS = 4
 # SMs counted on a CPU: few, so that the interpreter tests' few heads take the split.
@@ -466,11 +466,9 @@ def _v_splits(num_programs: int, bdv: int, sms: int) -> int:
     45.4 / 44.7; batch 4 51.2 / 51.3 / 55.0; batch 8 63.8 / 62.9 / 69.9. The cost of a split: each tile
     computes its key head's q/k conv and norms again, and the head's last program
     reads its rows back for the norm. ENCLAVE_DELTANET_V_SPLITS overrides (1, 2, 4, 8)."""
-    forced = os.environ.get("ENCLAVE_DELTANET_V_SPLITS", "").strip()
-    if forced:
-        if not forced.isdigit():
-            raise ValueError(f"ENCLAVE_DELTANET_V_SPLITS must be a power of two (1, 2, 4, 8), got {forced!r}")
-        return _checked_splits(int(forced), bdv)
+    forced = engine_env().deltanet_v_splits
+    if forced is not None:
+        return _checked_splits(forced, bdv)
     splits = 1
     while num_programs * splits < _PROGRAMS_PER_SM * sms and splits < min(_MAX_V_SPLITS, bdv):
         splits *= 2

@@ -586,7 +586,7 @@ def gated_delta_rule(
         )
 
     if long_seqs:
-        if dispatch.prefill_kernels_enabled():
+        if dispatch.prefill_kernels_enabled("gated_delta_rule", q=q):
             _chunked(q, k, v, g, beta, state, layout, out)
         else:
             _reference_long(q, k, v, g, beta, state, layout, long_seqs, out)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import dispatch
 from engine.kernels.moe import reference
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
@@ -171,6 +172,8 @@ def align_block_size(
     t, slots = ids.shape
     n = t * slots
     if n == 0 or num_experts > 8192:  # a [BLOCK_C, E] tile per program: keep E moderate
+        reason = dispatch.EMPTY if n == 0 else "more than 8192 experts"
+        dispatch.fallback("moe_align_block_size", reason, expected=n == 0, ids=ids)
         return reference.align_block_size(ids, num_experts, block_m)
     device = ids.device
     num_blocks = num_blocks_for(n, num_experts, block_m)

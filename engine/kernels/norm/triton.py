@@ -10,11 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import dispatch
 from engine.kernels.norm import reference
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
 # Rows of more channels than this would not fit one program's registers; they take the reference.
 MAX_DIM = 16384
+_WIDE = f"rows of more than {MAX_DIM} channels do not fit one program"
 # Elements of one program's [BR, BD] tile.
 TILE = 4096
 
@@ -133,6 +135,7 @@ def _launch(x, weight, eps, zero_centered, gate=None, rounded=False, residual=No
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = True) -> torch.Tensor:
     # x [..., D], weight [D]; fp32 math, one cast of the product to x's dtype.
     if x.shape[-1] > MAX_DIM:
+        dispatch.fallback("rms_norm", _WIDE, x=x)
         return reference.rms_norm(x, weight, eps, zero_centered)
     return _launch(x, weight, eps, zero_centered)[0]
 
@@ -141,15 +144,19 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # x, residual [..., D] of one dtype, weight [D] -> (rms_norm(x + residual), x + residual).
-    if x.shape[-1] > MAX_DIM or residual.shape != x.shape or residual.dtype != x.dtype:
-        return reference.add_rms_norm(x, residual, weight, eps)  # not a model case
+    if x.shape[-1] > MAX_DIM or residual.shape != x.shape or residual.dtype != x.dtype:  # not a model case
+        reason = _WIDE if x.shape[-1] > MAX_DIM else "residual's shape or dtype differs from x's"
+        dispatch.fallback("add_rms_norm", reason, x=x, residual=residual)
+        return reference.add_rms_norm(x, residual, weight, eps)
     return _launch(x, weight, eps, zero_centered=True, residual=residual)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x, gate [..., D], weight [D]. The reference's `weight * normed.to(x.dtype)` is rounded to x's dtype
     # only when the weight has that dtype too (torch promotes a mixed product to fp32).
-    if x.shape[-1] > MAX_DIM or gate.shape != x.shape:
-        return reference.gated_rms_norm(x, gate, weight, eps)  # broadcast gates: not a model case
+    if x.shape[-1] > MAX_DIM or gate.shape != x.shape:  # broadcast gates: not a model case
+        reason = _WIDE if x.shape[-1] > MAX_DIM else "gate's shape differs from x's (broadcast)"
+        dispatch.fallback("gated_rms_norm", reason, x=x, gate=gate)
+        return reference.gated_rms_norm(x, gate, weight, eps)
     rounded = weight.dtype == x.dtype and x.dtype != torch.float32
     return _launch(x, weight, eps, zero_centered=False, gate=gate, rounded=rounded)[0]

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import dispatch
 from engine.kernels.pdl import pdl_launch, pdl_wait
 from engine.kernels.qk_norm_rotary import reference
 
@@ -162,6 +163,7 @@ def qk_norm_rotary(
     t, hq, d = q.shape
     hkv = k.shape[1]
     if d > MAX_DIM:
+        dispatch.fallback("qk_norm_rotary", f"head dim over {MAX_DIM}", q=q)
         return reference.qk_norm_rotary(q, k, q_weight, k_weight, cos, sin, eps)
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)

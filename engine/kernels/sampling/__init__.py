@@ -39,4 +39,5 @@ def sample_filtered(
     sample = dispatch.pick("sample_filtered", logits)
     if logits.shape[0] < MIN_KERNEL_ROWS and dispatch.backend() == "auto":
         sample = reference.sample_filtered  # few rows: one program per row is slower than torch's sort
+        dispatch.choose("sample_filtered", "torch")
     return sample(logits, temperature, top_k, top_p, race)

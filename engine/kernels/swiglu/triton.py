@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import dispatch
 from engine.kernels.swiglu import reference
 
 BLOCK = 1024
@@ -35,6 +36,8 @@ def _swiglu_kernel(
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     # x [..., 2I] -> [..., I] contiguous.
     if x.shape[-1] % 2 or x.numel() == 0:
+        empty = x.numel() == 0
+        dispatch.fallback("swiglu", dispatch.EMPTY if empty else "odd last dim", expected=empty, x=x)
         return reference.swiglu(x)
     inter = x.shape[-1] // 2
     rows = x.reshape(-1, 2 * inter)  # a view for the projection's contiguous output

@@ -12,6 +12,7 @@ from engine import kernels
 from engine.bench.presets import init_parameter_
 from engine.cache import ModelCache
 from engine.config import config_from_dict
+from engine.env import reset_engine_env
 from engine.model.decoder import DecoderLayer
 from engine.model.rotary import rope_parameters
 from tests.engine.factories import dense_layout, text_config
@@ -63,6 +64,7 @@ def test_decoder_layer_triton_matches_torch(kind, monkeypatch):
     outs = {}
     for backend, c in (("torch", ref_cache), ("triton", cache)):
         monkeypatch.setenv("ENCLAVE_KERNELS", backend)
+        reset_engine_env()  # the engine reads its variables once
         first = step(layer, config, c, kind, prefill, x0, None)  # the first layer: x is the stream
         second = step(layer, config, c, kind, decode, x1, r1)  # a later layer: add, then norm
         outs[backend] = (*first, *second)

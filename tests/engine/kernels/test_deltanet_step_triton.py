@@ -15,6 +15,7 @@ import torch
 from engine.bench.presets import init_parameter_
 from engine.cache import ModelCache
 from engine.config import config_from_dict
+from engine.env import EnvError, reset_engine_env
 from engine.kernels import SeqLayout, deltanet_step, dispatch
 from engine.kernels.conv1d import triton as conv_triton
 from engine.kernels.deltanet_gate import triton as gate_triton
@@ -188,10 +189,14 @@ def test_split_choice(monkeypatch):
     assert [fused._v_splits(32 * n, 128, 132) for n in (1, 2, 3, 4, 5, 8, 64)] == [4, 4, 2, 2, 1, 1, 1]
     assert fused._v_splits(1, 2, 132) == 2
     monkeypatch.setenv("ENCLAVE_DELTANET_V_SPLITS", "8")
+    reset_engine_env()  # the engine reads its variables once
     assert fused._v_splits(32 * 64, 128, 132) == 8
+    with pytest.raises(ValueError, match="power of two up to 4"):
+        fused._v_splits(32, 4, 132)  # 8 tiles of a 4-wide state tile
     for bad in ("3", "256", "x"):
         monkeypatch.setenv("ENCLAVE_DELTANET_V_SPLITS", bad)
-        with pytest.raises(ValueError, match="power of two"):
+        reset_engine_env()
+        with pytest.raises(EnvError, match="ENCLAVE_DELTANET_V_SPLITS must be 1, 2, 4 or 8"):
             fused._v_splits(32, 128, 132)
 
 
@@ -254,6 +259,7 @@ def test_layer_takes_the_fused_step_for_short_layouts(monkeypatch):
     results = {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv("ENCLAVE_KERNELS", backend)
+        reset_engine_env()  # the engine reads its variables once
         for t in (state.conv, state.recurrent):
             t.fill_(NAN)
         with torch.no_grad():

@@ -6,22 +6,40 @@ from pathlib import Path
 
 import pytest
 
+from engine.env import EnvError, reset_engine_env
 from engine.kernels import pdl
 
 KERNELS = Path(__file__).resolve().parents[3] / "engine" / "kernels"
 
 
 def test_off_under_the_interpreter_and_by_switch(monkeypatch):
+    # Where it could run: only the interpreter or the switch turns it off. Both are read once (engine.env).
+    monkeypatch.setattr(pdl, "_supported", lambda: True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("ENCLAVE_PDL", raising=False)
+    reset_engine_env()
     assert pdl.pdl_launch() == {"PDL": False}
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setenv("ENCLAVE_PDL", "0")
+    assert pdl.pdl_launch() == {"PDL": False}  # still the values read first
+    reset_engine_env()
     assert pdl.pdl_launch() == {"PDL": False}
+    monkeypatch.setenv("ENCLAVE_PDL", "1")
+    reset_engine_env()
+    assert pdl.pdl_launch() == {"PDL": True, "launch_pdl": True}
+
+
+def test_a_bad_switch_is_one_line_naming_it(monkeypatch):
+    monkeypatch.setenv("ENCLAVE_PDL", "off")
+    reset_engine_env()
+    with pytest.raises(EnvError, match="ENCLAVE_PDL must be 0 or 1"):
+        pdl.pdl_enabled()
 
 
 def test_on_only_where_supported(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("ENCLAVE_PDL", raising=False)
+    reset_engine_env()
     monkeypatch.setattr(pdl, "_supported", lambda: True)
     assert pdl.pdl_launch() == {"PDL": True, "launch_pdl": True}
     monkeypatch.setattr(pdl, "_supported", lambda: False)

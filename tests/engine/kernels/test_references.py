@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
+from engine.env import EnvError, reset_engine_env
 from engine.kernels import SeqLayout, dispatch
 from engine.kernels.gated_delta import reference as gd
 from tests.engine.factories import dense_layout
@@ -171,15 +172,18 @@ def test_dispatch_switch(monkeypatch):
     dispatch.register("test_lazy_op", torch=plain, triton="engine.kernels.norm.reference:rms_norm")
     assert dispatch.pick("test_lazy_op", x) is plain  # auto: the reference for CPU tensors
     monkeypatch.setenv("ENCLAVE_KERNELS", "torch")
+    reset_engine_env()  # the engine reads its variables once
     assert dispatch.pick("rms_norm", x) is dispatch.implementation("rms_norm", "torch")
     monkeypatch.setenv("ENCLAVE_KERNELS", "triton")
+    reset_engine_env()
     with pytest.raises(ValueError, match="no Triton implementation"):
         dispatch.pick("test_only_op", x)
     from engine.kernels.norm import reference
 
     assert dispatch.pick("test_lazy_op", x) is reference.rms_norm  # imported by path on first use
     monkeypatch.setenv("ENCLAVE_KERNELS", "cuda-magic")
-    with pytest.raises(ValueError, match="ENCLAVE_KERNELS"):
+    reset_engine_env()
+    with pytest.raises(EnvError, match="ENCLAVE_KERNELS"):
         dispatch.backend()
 
 

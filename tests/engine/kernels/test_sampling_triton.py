@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from engine.env import reset_engine_env
 from engine.kernels.sampling import reference
 from engine.kernels.sampling.triton import sample_filtered
 from engine.sampler import draw_rows
@@ -162,6 +163,7 @@ def test_draw_rows_runs_the_kernel_when_asked(monkeypatch):
 
     def draw(backend):
         monkeypatch.setenv("ENCLAVE_KERNELS", backend)
+        reset_engine_env()  # the engine reads its variables once
         generators = [torch.Generator().manual_seed(10 + i) for i in range(3)]
         return draw_rows(logits.to(DEVICE), params, generators).tolist()
 
