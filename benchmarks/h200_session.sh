@@ -41,6 +41,9 @@ for step in $STEPS; do
       run tiles_bf16 200 python benchmarks/moe_tiles.py --dtypes bf16 --tokens 1024,4096,16384 \
         --json "$OUT/tiles_bf16.json" --write-config
       cp engine/kernels/moe/configs/*.json "$OUT/" ;;
+    fp8_tiles)  # the dense FP8 GEMM's tiles at the real projections; merges the winners into the GPU's table
+      run fp8_tiles 300 python benchmarks/fp8_gemm_tiles.py --json "$OUT/fp8_tiles.json" --write-config
+      cp engine/kernels/fp8/configs/*.json "$OUT/" ;;
     bench)  # BENCH_TAG names the files when one call runs several benches; BENCH_LIMIT caps the seconds
       run "bench${BENCH_TAG:-}" "${BENCH_LIMIT:-540}" python -m engine.bench --preset qwen3.5-35b-a3b \
         --json "$OUT/bench${BENCH_TAG:-}.json" "$@" ;;

@@ -15,6 +15,7 @@ from engine.config import ModelConfig
 from engine.kernels import SeqLayout
 from engine.model.decoder import DecoderLayer
 from engine.model.deltanet import GatedDeltaNet
+from engine.model.moe import SparseMoe
 from engine.model.mtp import MTPHead
 from engine.model.norm import RMSNorm
 from engine.model.rotary import rope_parameters
@@ -55,10 +56,12 @@ class CausalLM(nn.Module):
         self.inv_freq = inv_freq.to(self.inv_freq.device)
 
     def fuse_projections_(self) -> int:
-        """Give each DeltaNet layer one GEMM for its input projections (`fuse_input_projections_`); returns
-        how many layers this call fused. For serving: after loading and any quantisation, before CUDA graphs
-        are captured. The parameters and `state_dict()` keep the checkpoint's names and values."""
+        """Give each DeltaNet layer one GEMM for its input projections (`fuse_input_projections_`), and each
+        FP8 MoE block its shared expert stacked with the routed experts (`SparseMoe.stack_fp8_shared_`);
+        returns how many modules this call fused. For serving: after loading and any quantisation, before
+        CUDA graphs are captured. The parameters and `state_dict()` keep the checkpoint's names and values."""
         fused = sum(m.fuse_input_projections_() for m in self.modules() if isinstance(m, GatedDeltaNet))
+        fused += sum(m.stack_fp8_shared_() for m in self.modules() if isinstance(m, SparseMoe))
         if fused and self.inv_freq.is_cuda:
             # Each replaced in_proj_qkvz weight (50 MB on Qwen3.5-35B-A3B) would stay in torch's cache,
             # too small for the next layer's fused weight and for the KV cache allocated after this.

@@ -5,6 +5,7 @@ from torch import nn
 
 from engine import kernels
 from engine.config import ModelConfig
+from engine.kernels import dispatch
 from engine.kernels.swiglu import swiglu
 
 
@@ -32,9 +33,10 @@ class SparseMoe(nn.Module):
 
     The shared expert runs as one more expert of the grouped GEMMs (id E, its gate logit one more column of
     the router's GEMM), so the block is router GEMM, routing, and the experts' kernels. With
-    `quantization="fp8"` the shared expert is FP8 (`Fp8Linear`) and runs on its own, and `use_fp8_experts_`
-    turns the stacked experts into e4m3 buffers with block scales, run by the W8A8 `moe_experts_fp8`. Modules
-    with forward hooks run as themselves, unfused (see `_hooked`).
+    `quantization="fp8"` the shared expert is FP8 (`Fp8Linear`), and `use_fp8_experts_` turns the stacked
+    experts into e4m3 buffers with block scales, run by the W8A8 `moe_experts_fp8`; for serving,
+    `stack_fp8_shared_` appends the FP8 shared expert to them as expert E, so FP8 runs the same three kernels
+    as bf16. Modules with forward hooks run as themselves, unfused (see `_hooked`).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -51,6 +53,9 @@ class SparseMoe(nn.Module):
         self.shared_expert_gate = nn.Linear(h, 1, bias=False) if shared > 0 else None
         self._router: tuple[tuple, torch.Tensor] | None = None  # (source key, [E + 1, H] weight)
         self.fp8_block: tuple[int, int] | None = None  # set by use_fp8_experts_
+        # (w13, w13_scale_inv, w2, w2_scale_inv) of E + 1 experts, the FP8 shared expert last; see
+        # stack_fp8_shared_
+        self._stacked: tuple[torch.Tensor, ...] | None = None
 
     def use_fp8_experts_(self, block: tuple[int, int] = (128, 128)) -> None:
         """Hold the experts in block FP8 from now on: w13 and w2 become empty e4m3 buffers of the same shapes
@@ -70,6 +75,48 @@ class SparseMoe(nn.Module):
             self.register_buffer("w2", torch.empty(e, h, i, dtype=torch.float8_e4m3fn))
             self.register_buffer("w2_scale_inv", torch.empty(e, -(-h // bn), -(-i // bk), dtype=fp32))
         self.fp8_block = block
+
+    def stack_fp8_shared_(self) -> bool:
+        """Make an FP8 shared expert expert E of the stacked e4m3 experts; True if it did.
+
+        Run on its own, an FP8 shared expert costs five more launches per layer than bf16's (two FP8 linears
+        with their split-K sums, and the SwiGLU): at one token about 200 launches per decode step, most of
+        the gap between FP8 and bf16 at batch 1. Stacked, its routing slot (id E, weight sigmoid of its gate
+        logit) runs in the same GEMV or grouped GEMMs as the routed experts. The routed `w13`/`w2` and the
+        shared expert's `weight`s become views of the stacked tensors (no copy is kept, `state_dict()` is
+        unchanged). Only when the shared expert has the routed experts' shapes and block scales (Qwen3.5 and
+        3.6: 512 intermediate channels); else it keeps running on its own. For serving, after loading, before
+        CUDA graphs are captured.
+        """
+        shared = self.shared_expert
+        if self.fp8_block is None or self._stacked is not None or shared is None:
+            return False
+        gate_up, down = shared.gate_up_proj, shared.down_proj
+        parts = [
+            (self.w13, self.w13_scale_inv, gate_up),
+            (self.w2, self.w2_scale_inv, down),
+        ]
+        for weight, scale, linear in parts:
+            fits = getattr(linear, "block", None) == self.fp8_block and getattr(linear, "bias", 0) is None
+            if not (
+                fits
+                and linear.weight.dtype == weight.dtype
+                and linear.weight.shape == weight.shape[1:]
+                and linear.weight_scale_inv.shape == scale.shape[1:]  # equal only when bn divides I
+            ):
+                return False
+        num_experts = self.w13.shape[0]
+        stacked = []
+        for weight, scale, linear in parts:
+            stacked.append(torch.cat([weight, linear.weight[None]]))
+            stacked.append(torch.cat([scale, linear.weight_scale_inv[None]]))
+        w13, s13, w2, s2 = stacked
+        self.w13, self.w13_scale_inv = w13[:num_experts], s13[:num_experts]
+        self.w2, self.w2_scale_inv = w2[:num_experts], s2[:num_experts]
+        gate_up.weight, gate_up.weight_scale_inv = w13[num_experts], s13[num_experts]
+        down.weight, down.weight_scale_inv = w2[num_experts], s2[num_experts]
+        self._stacked = (w13, s13, w2, s2)
+        return True
 
     def _fp8_experts(
         self,
@@ -98,8 +145,13 @@ class SparseMoe(nn.Module):
         gate_up, down = shared.gate_up_proj, shared.down_proj
         plain = isinstance(gate_up, nn.Linear) and isinstance(down, nn.Linear)
         if plain and self.fp8_block is None and not _hooked(shared, gate_up, down):
+            dispatch.choose("moe_shared_expert", "fused")  # expert E of the experts' kernels
             return kernels.moe_experts(x, self.w13, self.w2, weights, ids, gate_up.weight, down.weight)
+        if self._stacked is not None and not _hooked(shared, gate_up, down):
+            dispatch.choose("moe_shared_expert", "fused")
+            return kernels.moe_experts_fp8(x, *self._stacked, weights, ids, self.fp8_block)
         k = self.top_k  # an FP8 shared expert, or FP8 experts: on its own, added with its slot's weight
+        dispatch.choose("moe_shared_expert", "separate")
         shared = self.shared_expert(x)
         if self.fp8_block is not None:
             return self._fp8_experts(x, weights[:, :k], ids[:, :k], shared, weights[:, k])

@@ -11,12 +11,15 @@ masked to zero on both sides.
 
 import functools
 import math
+from dataclasses import astuple
 
 import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import dispatch
 from engine.kernels.fp8 import reference
+from engine.kernels.fp8.config import GemmConfig, tuned_config
 from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
@@ -154,10 +157,22 @@ def _block_fp8_matmul_kernel(
     tl.store(p_c, acc.to(c.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
+def gemm_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+    """The GEMM's tiles for M rows of an [N, K] weight: this GPU's tuned entry (`fp8.config`), else by M."""
+    tuned = tuned_config(m, n, k, device)
+    if tuned is not None:
+        return tuned
+    index = next((i for i, top in enumerate(_CONFIG_MAX_M) if m <= top), len(_CONFIG_MAX_M))
+    return GemmConfig(*_CONFIGS[index])
+
+
 @functools.cache
 def _has_fp8_dot(device: torch.device) -> bool:
     # e4m3 tensor-core dots need sm_89+ (Ada, Hopper); the interpreter (CPU tensors) emulates them.
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9):
+        return True
+    dispatch.fallback("fp8_dot", "e4m3 tensor-core dots need sm_89+: FP8 GEMMs multiply in fp16", "fp16")
+    return False
 
 
 def quantize_fp8_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,6 +219,7 @@ def fp8_block_linear(
     if linear_triton.fits(x, weight, linear_triton.FP8_PREFER_MAX_ROWS):
         # Wide outputs: x quantised once by its own launch (every program would repeat it inline).
         wide = weight.shape[0] > linear_triton.FP8_PREFER_MAX_N
+        dispatch.choose("fp8_block_linear", "triton-gemv")
         return linear_triton.fp8_linear(x, weight, weight_scale_inv, bias, block, prequantize=wide)
     return fp8_block_gemm(x, weight, weight_scale_inv, bias, block)
 
@@ -214,13 +230,19 @@ def fp8_block_gemm(
     weight_scale_inv: torch.Tensor,
     bias: torch.Tensor | None = None,
     block: tuple[int, int] = (128, 128),
+    *,
+    config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """`fp8_block_linear` as the quantiser launch and the tensor-core GEMM, at any token count (larger
-    batches; benchmarks compare the few-token kernel with it)."""
+    batches; benchmarks compare the few-token kernel with it). `config`: the GEMM's tiles (default:
+    `gemm_config`)."""
     bn, bk = block
     if bk < 16 or bk & (bk - 1):
         # BLOCK_K is the K scale block and tl.dot needs a power of two >= 16; real checkpoints use 128.
+        reason = "scale block K is not a power of two >= 16 (tl.dot)"
+        dispatch.fallback("fp8_block_linear", reason, x=x, weight_scale_inv=weight_scale_inv)
         return reference.fp8_block_linear(x, weight, weight_scale_inv, bias, block)
+    dispatch.choose("fp8_block_linear", "triton-gemm")
     k = x.shape[-1]
     n = weight.shape[0]
     x_q, x_s = quantize_fp8_per_token_group(
@@ -229,8 +251,8 @@ def fp8_block_gemm(
     m = x_q.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m > 0 and n > 0:
-        index = next((i for i, top in enumerate(_CONFIG_MAX_M) if m <= top), len(_CONFIG_MAX_M))
-        block_m, block_n, num_warps, num_stages = _CONFIGS[index]
+        config = config or gemm_config(m, n, k, x.device)
+        block_m, block_n, num_warps, num_stages = astuple(config)
         grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
         _block_fp8_matmul_kernel[grid](
             x_q,

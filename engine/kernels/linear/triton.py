@@ -22,8 +22,13 @@ knob for that reason (MAX_ROWS until an H200 run of `benchmarks/kernels_linear.p
 Enough programs: a tile is BLOCK_N = 8 rows, so N = 2048 (out_proj, o_proj) is 256 programs, N = 257 (the
 router) 33 and N = 64 (in_proj_ba) 8, too few to keep HBM busy on 132 SMs. Where the N tiles are fewer than
 PROGRAMS_PER_SM per SM, K is split into equal runs of whole steps; each split writes fp32 partial sums
-[splits, M, N] and `_sum_splits_kernel` adds them in split order, adds the bias and rounds once to the output
-dtype. Without a split the first kernel does that itself. No atomics: results are equal run to run. Tiles and
+[splits, M, N], and the last split of each N tile to finish adds them in split order, adds the bias and rounds
+once to the output dtype. Which program is last is decided as in `deltanet_step`: after a CTA barrier (every
+thread's partial sums stored), each program adds one to its N tile's counter (acq_rel); the one that finds
+splits - 1 there has seen every other split's stores, resets the counter for the next launch and sums. One
+launch per projection: a separate sum kernel (the earlier design, kept as `_sum_splits_kernel` for when no
+counters can be had) cost a launch per FP8 projection, about 150 per decode step at batch 1. The sum order is
+fixed, so results are equal run to run. Without a split the first kernel writes the output itself. Tiles and
 splits come from the shapes alone, so a call can be captured in a CUDA graph.
 
 FP8 (`fp8_linear`, W8A8 as `fp8.reference.fp8_block_linear`): e4m3 weights with one fp32 scale per (bn rows,
@@ -43,6 +48,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.kernels import dispatch
 from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX
 from engine.kernels.fp8.triton import quantize_fp8_per_token_group, quantize_rows
 from engine.kernels.pdl import pdl_launch, pdl_wait
@@ -104,8 +110,10 @@ def _linear_kernel(
     w_ptr,  # [N, K]; e4m3 with USE_FP8
     scale_ptr,  # [ceil(N/bn), ceil(K/bk)] fp32, read with USE_FP8
     xs_ptr,  # [M, ceil(K/bk)] fp32 scales of x, read with X_QUANT (x is then e4m3)
-    bias_ptr,  # [N], read with HAS_BIAS (and not USE_SPLIT)
-    out_ptr,  # [M, N] in x's dtype; with USE_SPLIT [splits, M, N] fp32 partial sums
+    bias_ptr,  # [N], read with HAS_BIAS
+    out_ptr,  # [M, N] in x's dtype
+    part_ptr,  # [splits, M, N] fp32 partial sums, with USE_SPLIT
+    counter_ptr,  # [cdiv(N, BLOCK_N)] int32 zeros, with USE_SPLIT and SUM_LAST (left zero)
     n_size,
     k_size,
     k_split,  # channels per K split, a multiple of KG * GROUP
@@ -119,7 +127,9 @@ def _linear_kernel(
     stride_xsm,
     stride_xsk,
     stride_b,
-    stride_os,
+    stride_ps,
+    stride_pm,
+    stride_pn,
     stride_om,
     stride_on,
     ROWS: tl.constexpr,  # M
@@ -132,6 +142,7 @@ def _linear_kernel(
     USE_FP8: tl.constexpr,
     USE_SPLIT: tl.constexpr,
     X_QUANT: tl.constexpr = False,  # with USE_FP8: x already quantised (e4m3, scales at xs_ptr)
+    SUM_LAST: tl.constexpr = True,  # with USE_SPLIT: the last split of each N tile sums the partials
     PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
     pdl_wait(PDL)
@@ -178,9 +189,22 @@ def _linear_kernel(
     acc = tl.sum(acc, 1)  # [BN, BM]
     mask = n_mask[:, None] & (offs_m < ROWS)[None, :]
     out_ptrs = out_ptr + offs_n[:, None] * stride_on + offs_m[None, :] * stride_om
+    last = True
     if USE_SPLIT:
-        tl.store(out_ptrs + pid_k * stride_os, acc, mask=mask)
-    else:
+        part_ptrs = part_ptr + offs_n[:, None] * stride_pn + offs_m[None, :] * stride_pm
+        tl.store(part_ptrs + pid_k * stride_ps, acc, mask=mask)
+        last = False
+        if SUM_LAST:
+            tl.debug_barrier()  # every thread's partial sums stored before the increment releases them
+            splits = tl.num_programs(1)
+            last = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel") == splits - 1
+            if last:
+                tl.store(counter_ptr + pid_n, 0)
+                tl.debug_barrier()  # the acquire before every thread's loads of the other splits' sums
+                acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                for split in range(splits):  # in split order: the same sum every run
+                    acc += tl.load(part_ptrs + split * stride_ps, mask=mask, other=0.0)
+    if last:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n * stride_b, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -213,6 +237,27 @@ def _sum_splits_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs * stride_b, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_om + offs * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_MAX_COUNTERS = 1 << 16  # N tiles a split launch may have and still sum in its last program
+
+
+@functools.cache
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    """[_MAX_COUNTERS] int32 zeros, one per N tile; every split launch leaves them zero (the last split of a
+    tile resets its counter), so launches on the device's stream share them one after another."""
+    return torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The shared tile counters, or None where the launch must sum with `_sum_splits_kernel` instead: more
+    tiles than counters, or a first use inside a CUDA graph capture (they are made by an eager call, such
+    as a capture's warm-up, outside the graph's memory pool)."""
+    if tiles > _MAX_COUNTERS:
+        return None
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _tile_counters(device) if _tile_counters.cache_info().currsize else None
+    return _tile_counters(device)
 
 
 @functools.cache
@@ -269,21 +314,23 @@ def run_kernel(
         x, xs = quantize_fp8_per_token_group(x, bk)  # [M, K] e4m3, [M, ceil(K/bk)] fp32
     p = plan(m, n, k, weight.element_size(), bk, tiles, _sm_count(x.device))
     splits = p["splits"]
+    n_tiles = triton.cdiv(n, tiles.block_n)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out[None]
+    counters = _counters(x.device, n_tiles) if splits > 1 else None
     sn, sk = scale.stride() if use_fp8 else (0, 0)
     xsm, xsk = xs.stride() if x_quant else (0, 0)
     stride_b = bias.stride(0) if bias is not None else 0
-    _linear_kernel[(triton.cdiv(n, tiles.block_n), splits)](
-        x, weight, scale if use_fp8 else x, xs, bias if bias is not None else out, part,
-        n, k, p["k_split"], bn,
+    _linear_kernel[(n_tiles, splits)](
+        x, weight, scale if use_fp8 else x, xs, bias if bias is not None else out, out, part,
+        counters if counters is not None else out, n, k, p["k_split"], bn,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), sn, sk, xsm, xsk, stride_b,
-        part.stride(0), part.stride(1), part.stride(2),
+        part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
         ROWS=m, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, **p["blocks"],
         HAS_BIAS=bias is not None, USE_FP8=use_fp8, USE_SPLIT=splits > 1, X_QUANT=x_quant,
-        num_warps=tiles.num_warps, **pdl_launch(),
+        SUM_LAST=counters is not None, num_warps=tiles.num_warps, **pdl_launch(),
     )  # fmt: skip
-    if splits > 1:
+    if splits > 1 and counters is None:
         _sum_splits_kernel[(m, triton.cdiv(n, _SUM_BLOCK))](
             part, bias if bias is not None else part, out, n, splits, part.stride(0), part.stride(1),
             stride_b, out.stride(0), out.stride(1), BLOCK=_SUM_BLOCK, HAS_BIAS=bias is not None, num_warps=4,
@@ -325,6 +372,16 @@ def linear(
     same = weight.dtype == x.dtype and (bias is None or (bias.dtype == x.dtype and bias.dim() == 1))
     wide = weight.shape[0] > PREFER_MAX_N
     if not (same and fits(x, weight, WIDE_MAX_ROWS if wide else MAX_ROWS)):
+        if same and fits(x, weight, math.inf):  # only more rows than the kernel is for: cuBLAS by design
+            dispatch.choose("linear", "torch")
+        else:
+            reason = dispatch.first_failed(
+                (same, "weight or bias dtype differs from x's, or bias is not [N]"),
+                (math.prod(x.shape[:-1]) > 0, dispatch.EMPTY),
+                (x.dtype in _X_DTYPES, "x's dtype is not fp16, bf16 or fp32"),
+                (fits(x, weight, math.inf), "weight is not [N, K] contiguous along K, or N or K is 0"),
+            )
+            dispatch.fallback("linear", reason, expected=reason == dispatch.EMPTY, x=x, weight=weight)
         return F.linear(x, weight, bias)
     k, n = x.shape[-1], weight.shape[0]
     one_row = fits(x, weight, WIDE_MAX_ROWS)

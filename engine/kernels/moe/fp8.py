@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import dispatch
 from engine.kernels.fp8.triton import _has_fp8_dot, quantize_fp8_per_token_group
 from engine.kernels.moe import gemv, reference
 from engine.kernels.moe.align import align_block_size
@@ -276,9 +277,19 @@ def experts(
     fp8 = w13.dtype == w2.dtype == torch.float8_e4m3fn
     shapes = x.dim() == ids.dim() == 2 and x.shape[0] > 0 and ids.shape[1] > 0
     if fp8 and shapes and x.dtype in _ACT_DTYPES and ids.numel() <= gemv.MAX_PAIRS:
+        dispatch.choose("moe_experts_fp8", "triton-gemv")
         return gemv.experts_fp8(*args)  # a few tokens: stream each pair's expert rows, no align
     if bk < 16 or bk & (bk - 1) or not (fp8 and shapes and x.dtype in _ACT_DTYPES):
+        reason = dispatch.first_failed(
+            (x.shape[0] > 0 and ids.shape[-1] > 0, dispatch.EMPTY),
+            (x.dim() == ids.dim() == 2, "x is not [T, H] or ids not [T, S]"),
+            (fp8, "expert weights are not float8_e4m3fn"),
+            (x.dtype in _ACT_DTYPES, "x's dtype is not fp16, bf16 or fp32"),
+            (bk >= 16 and not bk & (bk - 1), "scale block K is not a power of two >= 16 (tl.dot)"),
+        )
+        dispatch.fallback("moe_experts_fp8", reason, expected=reason == dispatch.EMPTY, x=x, w13=w13, ids=ids)
         return reference.fp8_experts(*args)
+    dispatch.choose("moe_experts_fp8", "triton-grouped")
     config = choose(x.shape[0], x, w2, ids.shape[1], bk)
     return fused_experts(
         x, w13, w13_scale, w2, w2_scale, weights, ids, block, config, shared_out, shared_gate

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import dispatch
 from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX
 from engine.kernels.fp8.triton import quantize_rows
 from engine.kernels.moe import reference
@@ -339,6 +340,14 @@ def experts(
     fp8 = any(w is not None and w.element_size() == 1 for w in (w13, w2, shared_w13, shared_w2))
     shapes = x.dim() == ids.dim() == 2 and x.shape[0] > 0 and ids.shape[1] > 0
     if not (strides and shapes and not fp8 and x.dtype in _X_DTYPES):
+        reason = dispatch.first_failed(
+            (x.shape[0] > 0 and ids.shape[-1] > 0, dispatch.EMPTY),
+            (x.dim() == ids.dim() == 2, "x is not [T, H] or ids not [T, S]"),
+            (strides, "the shared expert's K stride differs from the routed experts'"),
+            (not fp8, "FP8 weights (moe_experts_fp8 takes them)"),
+            (x.dtype in _X_DTYPES, "x's dtype is not fp16, bf16 or fp32"),
+        )
+        dispatch.fallback("moe_experts", reason, expected=reason == dispatch.EMPTY, x=x, w13=w13, ids=ids)
         return reference.experts(x, w13, w2, weights, ids, *shared)
     pair = (shared_w13, shared_w2) if has_weights else None
     extra = (shared_out, shared_gate) if shared_out is not None else None

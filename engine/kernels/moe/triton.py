@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import dispatch
 from engine.kernels.moe import reference
 from engine.kernels.moe.align import _align_kernel, _count_kernel, align_block_size  # noqa: F401 (sm_90 test)
 from engine.kernels.moe.config import ExpertsConfig, GemmTiles, choose_config, table_key, tuned_config
@@ -82,6 +83,9 @@ def route(
     num_experts = router_logits.shape[-1] - shared
     # The reference raises on top_k > E; rows of more than 8192 experts would not fit one program.
     if not 0 < top_k <= num_experts or num_experts > 8192 or router_logits.numel() == 0:
+        empty = router_logits.numel() == 0
+        reason = dispatch.EMPTY if empty else "top_k not in 1..E, or more than 8192 experts"
+        dispatch.fallback("moe_route", reason, expected=empty, router_logits=router_logits)
         return reference.route(router_logits, top_k, renormalize, shared)
     logits = router_logits.reshape(-1, router_logits.shape[-1])  # [T, E (+1)]
     t, slots = logits.shape[0], top_k + shared
@@ -394,11 +398,21 @@ def experts(
     )
     shapes = x.dim() == ids.dim() == 2 and x.shape[0] > 0 and ids.shape[1] > 0
     if not (same and strides and shapes and x.dtype in _DOT_DTYPES):
+        reason = dispatch.first_failed(
+            (x.shape[0] > 0 and ids.shape[-1] > 0, dispatch.EMPTY),
+            (x.dim() == ids.dim() == 2, "x is not [T, H] or ids not [T, S]"),
+            (same, "expert weights' dtype differs from x's"),
+            (strides, "the shared expert's K stride differs from the routed experts'"),
+            (x.dtype in _DOT_DTYPES, "x's dtype is not fp16, bf16 or fp32"),
+        )
+        dispatch.fallback("moe_experts", reason, expected=reason == dispatch.EMPTY, x=x, w13=w13, ids=ids)
         return reference.experts(x, w13, w2, weights, ids, *shared)
     from engine.kernels.moe import gemv  # imports this module
 
     if ids.numel() <= gemv.MAX_PAIRS:  # a few tokens: stream each pair's expert rows, no align
+        dispatch.choose("moe_experts", "triton-gemv")
         return gemv.experts(x, w13, w2, weights, ids, *shared)
+    dispatch.choose("moe_experts", "triton-grouped")
     top_k = ids.shape[1] - has_weights
     key = table_key(w2.shape[0], x.shape[1], w2.shape[2], top_k, x.dtype)
     config = tuned_config(x.shape[0], key, x.device) or choose_config(

@@ -1,0 +1,60 @@
+"""Tiles of the dense block-FP8 GEMM (`fp8.triton.fp8_block_gemm`) by token count: a tuned table for this GPU
+when one exists (`configs/<GPU name>.json`, written by `benchmarks/fp8_gemm_tiles.py --write-config`), else
+the shape rules in `fp8.triton`.
+
+The table maps `table_key(N, K)` (a projection's outputs and inputs) to entries keyed by token count; a batch
+takes the entry of the tuned count nearest in ratio, up to twice the largest (beyond: the rules).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.kernels.moe.config import table_path
+
+CONFIG_DIR = Path(__file__).with_name("configs")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch of the block-FP8 GEMM: its M and N tiles (K is the scale block), warps and stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def table_key(n: int, k: int) -> str:
+    return f"N={n},K={k}"
+
+
+@functools.cache
+def _table(path: Path) -> dict[str, dict[int, GemmConfig]]:
+    if not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    return {key: {int(m): GemmConfig(**c) for m, c in rows.items()} for key, rows in raw.items()}
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def tuned_config(
+    m: int, n: int, k: int, device: torch.device, directory: Path = CONFIG_DIR
+) -> GemmConfig | None:
+    """The tuned entry for M rows of an [N, K] weight on this device's GPU, nearest in ratio to a tuned count;
+    None without a table entry for (N, K), or for more than twice the largest tuned count."""
+    if device.type != "cuda":
+        return None
+    entries = _table(table_path(_device_name(device.index or 0), directory)).get(table_key(n, k))
+    if not entries or m > 2 * max(entries):
+        return None
+    return entries[min(entries, key=lambda t: (max(t, m) / max(1, min(t, m)), t))]

@@ -1,0 +1,91 @@
+"""An FP8 shared expert stacked with the routed FP8 experts (`SparseMoe.stack_fp8_shared_`): the MoE block's
+output is that of the shared expert run on its own (torch references), on the reference path and on the
+Triton kernels (GEMV for a few tokens, grouped GEMMs above `gemv.MAX_PAIRS` pairs), and nothing it
+declines to stack changes."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before a Triton kernel module is imported
+
+from engine.config import config_from_dict
+from engine.env import reset_engine_env
+from engine.kernels.fp8.reference import quantize_block_fp8_weight
+from engine.model.fp8_linear import Fp8Linear, quantize_gate_up
+from engine.model.moe import SparseMoe
+from tests.engine.factories import text_config
+
+BLOCK = (8, 16)  # bn divides the intermediate size (24), as Qwen3.5's 128 divides 512
+
+
+def fp8_moe(shared: int, seed: int = 0) -> SparseMoe:
+    """A SparseMoe (hidden 64, 6 experts of 24, top 2) whose experts and shared expert are block FP8."""
+    config = config_from_dict(
+        text_config(
+            hidden_size=64,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=shared,
+        ).to_dict()
+    )
+    torch.manual_seed(seed)
+    moe = SparseMoe(config)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape) * (2.0 if p is moe.gate.weight else p.shape[-1] ** -0.5))
+        w13, w2 = moe.w13.detach().clone(), moe.w2.detach().clone()
+        moe.use_fp8_experts_(BLOCK)
+        moe.w13[:], moe.w13_scale_inv[:] = quantize_gate_up(w13, BLOCK)
+        moe.w2[:], moe.w2_scale_inv[:] = quantize_block_fp8_weight(w2, BLOCK)
+        for name in ("gate_up_proj", "down_proj"):
+            linear = getattr(moe.shared_expert, name)
+            fp8 = Fp8Linear.like(linear, BLOCK)
+            fp8.weight, fp8.weight_scale_inv = quantize_block_fp8_weight(linear.weight, BLOCK)
+            setattr(moe.shared_expert, name, fp8)
+    return moe.eval()
+
+
+def run(moe: SparseMoe, x: torch.Tensor, kernels: str, monkeypatch) -> torch.Tensor:
+    monkeypatch.setenv("ENCLAVE_KERNELS", kernels)
+    reset_engine_env()
+    with torch.no_grad():
+        return moe(x)
+
+
+@pytest.mark.parametrize("tokens", [3, 80])  # 3 x 3 pairs: the GEMV; 80 x 3 = 240 > MAX_PAIRS: grouped GEMMs
+def test_stacked_shared_expert_matches_it_run_alone(tokens, monkeypatch):
+    moe = fp8_moe(shared=24, seed=tokens)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(1))
+    alone = run(moe, x, "torch", monkeypatch)  # shared expert as two FP8 linears, references throughout
+    state = {k: v.clone() for k, v in moe.state_dict().items()}
+    assert moe.stack_fp8_shared_()
+    assert not moe.stack_fp8_shared_()  # once
+    assert moe.state_dict().keys() == state.keys()
+    assert all(torch.equal(v.view(torch.uint8), state[k].view(torch.uint8)) for k, v in moe.state_dict().items()
+               if v.dtype == torch.float8_e4m3fn)  # fmt: skip
+    # fp32 throughout: only the summation order differs from the shared expert run alone
+    torch.testing.assert_close(run(moe, x, "torch", monkeypatch), alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(run(moe, x, "triton", monkeypatch), alone, rtol=1e-4, atol=1e-4)
+
+
+def test_hooked_shared_expert_runs_alone(monkeypatch):
+    moe = fp8_moe(shared=24, seed=4)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    moe.stack_fp8_shared_()
+    plain = run(moe, x, "torch", monkeypatch)
+    seen = []
+    moe.shared_expert.down_proj.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    torch.testing.assert_close(run(moe, x, "torch", monkeypatch), plain, rtol=1e-5, atol=1e-5)
+    assert seen == [(5, 64)]
+
+
+def test_other_shapes_are_not_stacked(monkeypatch):
+    moe = fp8_moe(shared=40, seed=5)  # 40 shared channels against the experts' 24
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    before = run(moe, x, "torch", monkeypatch)
+    assert not moe.stack_fp8_shared_()
+    torch.testing.assert_close(run(moe, x, "torch", monkeypatch), before, rtol=0, atol=0)
