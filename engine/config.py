@@ -188,10 +188,6 @@ class ModelConfig:
     def full_attention_layers(self) -> list[int]:
         return [i for i, kind in enumerate(self.layer_types) if kind == "full_attention"]
 
-    @property
-    def linear_attention_layers(self) -> list[int]:
-        return [i for i, kind in enumerate(self.layer_types) if kind == "linear_attention"]
-
 
 def load_config(path: str | Path) -> ModelConfig:
     """Read `config.json` from a checkpoint directory (or the file itself) into a `ModelConfig`."""

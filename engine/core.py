@@ -1,27 +1,26 @@
-"""The engine's step loop without threads: scheduler -> runner -> bookkeeping, one call per step."""
+"""The engine's step loop without threads: schedule, run, apply; one call per step.
+
+`EngineCore` is synchronous: each step's tokens are read before the next step is planned. The asynchronous
+core, which plans and launches step N+1 before reading step N's tokens, extends it (`engine/async_core.py`,
+where `build_core` picks one of the two from the options).
+"""
 
 from __future__ import annotations
 
-import os
 import time
-
-import torch
 
 from engine.allocator import BlockAllocator, SlotAllocator
 from engine.cache import ModelCache
+from engine.errors import EngineError
 from engine.graphs import DecodeGraphs, graphs_wanted
+from engine.kernels import dispatch
 from engine.model.model import CausalLM
+from engine.options import EngineOptions
 from engine.outputs import EngineStats
 from engine.planner import CachePlan
 from engine.runner import Drafter, Launched, ModelRunner
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
-
-
-def async_wanted(device: torch.device) -> bool:
-    """Asynchronous scheduling on CUDA (on the CPU nothing runs beside the host), unless
-    ENCLAVE_ASYNC_SCHEDULING=0."""
-    return device.type == "cuda" and os.environ.get("ENCLAVE_ASYNC_SCHEDULING", "1").strip() != "0"
 
 
 class StepFailed(Exception):
@@ -34,53 +33,45 @@ class StepFailed(Exception):
 
 
 class EngineCore:
+    """Scheduler, cache and runner for one model, stepped by the caller.
+
+    `options.serving.max_num_seqs` must be set (`Engine` sizes it from the cache plan); `drafter` stands in
+    for the MTP head (tests, benchmarks)."""
+
+    async_scheduling = False  # whether steps are launched before the previous step's tokens are read
+
     def __init__(
-        self,
-        model: CausalLM,
-        plan: CachePlan,
-        *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        num_speculative_tokens: int = 0,
-        max_prefixes: int = 4,
-        drafter: Drafter | None = None,
-        mtp_hidden: str = "normed",
-        cuda_graphs: bool = True,
-        async_scheduling: bool | None = None,
+        self, model: CausalLM, plan: CachePlan, options: EngineOptions, drafter: Drafter | None = None
     ) -> None:
-        config = model.config
+        serving, k = options.serving, options.speculation.num_speculative_tokens
+        if serving.max_num_seqs is None:
+            raise EngineError("EngineCore needs max_num_seqs; Engine sizes it from the cache plan")
         # One GEMM per DeltaNet layer's input projections: after any FP8 swap, before graphs are captured.
         model.fuse_projections_()
         device = model.inv_freq.device
         dtype = model.model.embed_tokens.weight.dtype
-        num_mtp = len(model.mtp.layers) if model.mtp is not None and num_speculative_tokens else 0
+        num_mtp = len(model.mtp.layers) if model.mtp is not None and k else 0
+        self.options = options
         self.plan = plan
-        graphs = int(cuda_graphs and graphs_wanted(device))
+        graphs = int(graphs_wanted(device, options.kernels.cuda_graphs))
         # With CUDA graphs one more slot and block, past the allocators' ranges, take the padding sequences.
         slots, blocks = plan.total_slots + graphs, plan.num_blocks + graphs
-        self.cache = ModelCache(config, slots, blocks, plan.block_size, device, dtype, num_mtp)
+        self.cache = ModelCache(model.config, slots, blocks, plan.block_size, device, dtype, num_mtp)
         self.slots = SlotAllocator(plan.num_slots)
         self.blocks = BlockAllocator(plan.num_blocks, plan.block_size)
         self.scheduler = Scheduler(
             self.slots,
             self.blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            num_speculative_tokens=num_speculative_tokens,
-            max_prefixes=max_prefixes,
+            max_num_seqs=serving.max_num_seqs,
+            max_num_batched_tokens=serving.max_num_batched_tokens,
+            num_speculative_tokens=k,
+            max_prefixes=options.cache.max_prefixes,
         )
         pads = (plan.total_slots, plan.num_blocks)
-        decode_graphs = DecodeGraphs(model, self.cache, *pads, max_num_seqs) if graphs else None
-        self.runner = ModelRunner(
-            model, self.cache, plan, num_speculative_tokens, drafter, mtp_hidden, decode_graphs
-        )
-        if async_scheduling is None:
-            async_scheduling = async_wanted(device)
-        # Plan and launch step N+1 before reading step N's tokens: the host's work between steps then runs
-        # while the device computes. Not with speculation: drafting needs the tokens at once.
-        self.async_scheduling = bool(async_scheduling) and not num_speculative_tokens and drafter is None
-        self._pending: tuple[SchedulerOutput, Launched] | None = None
-        self.deferred_steps = 0
+        decode_graphs = DecodeGraphs(model, self.cache, *pads, serving.max_num_seqs) if graphs else None
+        mtp_hidden = options.speculation.mtp_hidden
+        self.runner = ModelRunner(model, self.cache, plan, k, drafter, mtp_hidden, decode_graphs)
+        self.deferred_steps = 0  # steps whose tokens were read after the next step's launch
         self.steps = 0
         self.prompt_tokens = 0
         self.generated_tokens = 0
@@ -95,61 +86,56 @@ class EngineCore:
         self.scheduler.abort(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._pending is not None
+        return self.scheduler.has_work()
 
     def step(self) -> list[Sequence]:
-        """Run one step; return the requests that finished in it.
-
-        With asynchronous scheduling a step's tokens are read in the next call, after that call has
-        launched its own step: the requests returned are those whose end was read in this call."""
+        """Run one step; return the requests that finished in it."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        launched = self._launch(out)
+        finished = self._complete(out, launched)
+        self._timed(start)
+        return finished
+
+    def _launch(
+        self, out: SchedulerOutput, previous: Launched | None = None, nonblocking: bool = False
+    ) -> Launched | None:
+        """Queue the step on the device and count its prompt tokens and drafts (generated tokens are counted
+        when read)."""
         try:
-            launched = self.runner.launch(out, defer=self.async_scheduling)
+            launched = self.runner.launch(out, previous, nonblocking)
         except Exception as exc:
-            raise self._failed(out, exc) from exc
-        # Prompt tokens count when computed, generated tokens when read (a step later, when deferred).
+            raise self._failed(exc, out) from exc
         self.prompt_tokens += sum(
             max(0, min(i.context + i.num_new, len(i.seq.prompt_ids)) - i.context) for i in out.scheduled
         )
         self.draft_tokens += sum(len(i.drafts) for i in out.scheduled)
-        finished: list[Sequence] = []
-        if launched.deferred:
-            finished += self.scheduler.update(out, [0] * len(out.scheduled))
-            self.deferred_steps += 1
-        if self._pending is not None:  # the previous step's tokens, read while this step runs
-            finished += self._read(*self._pending)
-            self._pending = None
-        if launched.deferred:
-            self._pending = (out, launched)
-        else:
-            try:
-                result = self.runner.finish(launched)
-            except Exception as exc:
-                raise self._failed(out, exc) from exc
-            finished += self.scheduler.update(out, result.accepted)
-            self.generated_tokens += result.num_generated
-            self.accepted_tokens += sum(result.accepted)
+        return launched
+
+    def _complete(self, out: SchedulerOutput, launched: Launched | None) -> list[Sequence]:
+        """Read a launched step's tokens, have the scheduler append them, draft the next tokens (speculation),
+        advance the scheduler; the requests that finished."""
+        try:
+            sampled = self.runner.sample(launched) if launched is not None else []
+            self.generated_tokens += self.scheduler.apply(out, sampled)
+            if launched is not None and self.runner.k:
+                self.scheduler.set_drafts(out, self.runner.draft(launched, sampled))
+        except Exception as exc:
+            raise self._failed(exc, out) from exc
+        accepted = [got.accepted for got in sampled]
+        self.accepted_tokens += sum(accepted)
+        return self.scheduler.update(out, accepted)
+
+    def _timed(self, start: float) -> None:
         self.steps += 1
         self.busy_s += time.perf_counter() - start
-        return finished
 
-    def _read(self, out: SchedulerOutput, launched: Launched) -> list[Sequence]:
-        """Read a deferred step's tokens; release and return the requests they ended."""
-        try:
-            result = self.runner.finish(launched)
-        except Exception as exc:
-            raise self._failed(out, exc) from exc
-        self.generated_tokens += result.num_generated
-        return [
-            item.seq
-            for item, rows in zip(out.scheduled, launched.emit_rows, strict=True)
-            if rows and item.seq.finished and self.scheduler.finish(item.seq)
-        ]
-
-    def _failed(self, out: SchedulerOutput, exc: Exception) -> StepFailed:
-        seqs = [item.seq for item in out.scheduled if item.seq.compute_target is None]
-        for item in out.scheduled:
+    def _failed(self, exc: Exception, *outs: SchedulerOutput) -> StepFailed:
+        """Drop every sequence of the failed steps; the user requests among them fail with `exc`."""
+        items = [item for out in outs for item in out.scheduled]
+        # A sequence may be in two of them (asynchronous scheduling): once each.
+        seqs = list(dict.fromkeys(item.seq for item in items if item.seq.compute_target is None))
+        for item in items:
             self.scheduler.abort(item.seq)
         return StepFailed(seqs, exc)
 
@@ -171,4 +157,5 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             draft_tokens=self.draft_tokens,
             accepted_tokens=self.accepted_tokens,
+            kernels=dispatch.usage(),
         )

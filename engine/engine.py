@@ -13,14 +13,17 @@ from typing import Any
 
 import torch
 
+from engine.async_core import build_core
 from engine.config import ModelConfig, load_config
-from engine.core import EngineCore, StepFailed
+from engine.core import StepFailed
 from engine.errors import EngineError, RequestError
 from engine.loader import load_model, quantization_mode
 from engine.model.model import CausalLM
+from engine.options import MAX_SPECULATIVE_TOKENS as MAX_SPECULATIVE_TOKENS  # re-exported: its old home
+from engine.options import EngineOptions
 from engine.outputs import EngineStats, RequestOutput
-from engine.planner import CPU_MAX_NUM_SEQS, MAX_AUTO_SEQS, affordable_seqs, memory_budget, plan_cache
-from engine.runner import MTP_HIDDEN, Drafter
+from engine.planner import plan_for
+from engine.runner import Drafter
 from engine.sampling import SamplingParams
 from engine.sequence import PrefixSpec, Sequence
 from engine.tokenizer import Tokenizer
@@ -37,7 +40,6 @@ _DTYPES = {
 }
 
 Prompt = str | list[int]
-MAX_SPECULATIVE_TOKENS = 4
 _BUSY: set[Engine] = set()  # engines with requests in flight: kept alive even if their owner let go
 
 
@@ -56,34 +58,15 @@ class Engine:
         tokenizer: Tokenizer | None,
         device: torch.device,
         dtype: torch.dtype,
+        options: EngineOptions | None = None,
         *,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int = 8192,
-        num_speculative_tokens: int = 0,
-        max_model_len: int | None = None,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        block_size: int = 16,
-        max_prefixes: int = 4,
         drafter: Drafter | None = None,
-        mtp_hidden: str = "normed",
-        cuda_graphs: bool = True,
-        async_scheduling: bool | None = None,
     ) -> None:
-        if mtp_hidden not in MTP_HIDDEN:
-            raise EngineError(f"mtp_hidden must be one of {', '.join(MTP_HIDDEN)}, got {mtp_hidden!r}")
-        if (
-            (max_num_seqs is not None and max_num_seqs < 1)
-            or max_num_batched_tokens < 1
-            or block_size < 1
-            or max_prefixes < 0
-        ):
-            raise EngineError(
-                "max_num_seqs, max_num_batched_tokens and block_size must be at least 1, max_prefixes >= 0"
-            )
-        if not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise EngineError(f"num_speculative_tokens must be 0..{MAX_SPECULATIVE_TOKENS}")
-        if num_speculative_tokens and model.mtp is None and drafter is None:
+        """Serve `model` (already on `device` in `dtype`) with `options` (their `load` part is
+        `from_pretrained`'s); `drafter` stands in for the MTP head (tests, benchmarks)."""
+        options = options or EngineOptions()
+        k = options.speculation.num_speculative_tokens
+        if k and model.mtp is None and drafter is None:
             raise EngineError(
                 "num_speculative_tokens needs an MTP head, and this checkpoint has none (no mtp.* tensors)"
             )
@@ -92,58 +75,24 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = device
         self.dtype = dtype
-        self.num_speculative_tokens = num_speculative_tokens
-        self.max_model_len = min(max_model_len or config.max_model_len, config.max_model_len)
+        self.num_speculative_tokens = k
+        self.max_model_len = min(options.serving.max_model_len or config.max_model_len, config.max_model_len)
         eos = set(config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.eos_token_ids = frozenset(eos)
-        num_mtp = len(model.mtp.layers) if model.mtp is not None and num_speculative_tokens else 0
-        if max_num_seqs is None and device.type != "cuda":
-            max_num_seqs = CPU_MAX_NUM_SEQS
-        budget = memory_budget(
-            device,
-            config,
-            dtype,
-            max_num_batched_tokens=max_num_batched_tokens,
-            logit_rows=(max_num_seqs or MAX_AUTO_SEQS) * (1 + num_speculative_tokens),
-            gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory=kv_cache_memory,
+        num_mtp = len(model.mtp.layers) if model.mtp is not None and k else 0
+        self.max_num_seqs, self.plan = plan_for(
+            config, dtype, device, options, max_model_len=self.max_model_len, num_mtp_layers=num_mtp
         )
-        if max_num_seqs is None:
-            max_num_seqs = affordable_seqs(
-                config,
-                dtype,
-                budget,
-                max_model_len=self.max_model_len,
-                num_speculative_tokens=num_speculative_tokens,
-                num_mtp_layers=num_mtp,
-                block_size=block_size,
-                max_prefixes=max_prefixes,
-            )
-            log.info("max_num_seqs %d, sized from a cache budget of %.1f GiB", max_num_seqs, budget / 2**30)
-        self.max_num_seqs = max_num_seqs
-        self.plan = plan_cache(
-            config,
-            dtype,
-            budget,
-            max_num_seqs=max_num_seqs,
-            max_model_len=self.max_model_len,
-            num_speculative_tokens=num_speculative_tokens,
-            num_mtp_layers=num_mtp,
-            block_size=block_size,
-            max_prefixes=max_prefixes,
+        # The options as served: what was left unset, worked out.
+        self.options = options.with_flat(
+            {
+                "device": str(device),
+                "dtype": str(dtype).removeprefix("torch."),
+                "max_num_seqs": self.max_num_seqs,
+                "max_model_len": self.max_model_len,
+            }
         )
-        self.core = EngineCore(
-            model,
-            self.plan,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            num_speculative_tokens=num_speculative_tokens,
-            max_prefixes=max_prefixes,
-            drafter=drafter,
-            mtp_hidden=mtp_hidden,
-            cuda_graphs=cuda_graphs,
-            async_scheduling=async_scheduling,
-        )
+        self.core = build_core(model, self.plan, self.options, drafter)
         self._cond = threading.Condition()
         self._inbox: list[tuple[Sequence, Future]] = []
         self._futures: dict[int, Future] = {}
@@ -155,35 +104,31 @@ class Engine:
     def from_pretrained(
         cls,
         path: str | Path,
-        device: str | torch.device | None = None,
-        dtype: str | torch.dtype | None = None,
-        quantization: str | None = None,
-        **options: Any,
+        options: EngineOptions | None = None,
+        *,
+        drafter: Drafter | None = None,
+        **flat: Any,
     ) -> Engine:
         """Load the checkpoint directory `path` (config.json, safetensors, optional tokenizer files).
 
-        `device` defaults to CUDA when available, else CPU; `dtype` to bfloat16 on CUDA, else float32.
-        `quantization`: None or "none" loads the checkpoint's weights in `dtype` (an FP8 release dequantised);
-        "fp8" runs the dense projections and the routed experts as block-FP8 (W8A8) GEMMs, with an FP8
-        release's weights as stored and a bf16/fp32 checkpoint's quantised at load.
-        `options` are the serving settings of `Engine.__init__`: max_num_seqs (None: on CUDA as many as the
-        cache budget affords, at most 1,024, see `planner.affordable_seqs`; 64 elsewhere),
-        max_num_batched_tokens, num_speculative_tokens, max_model_len, kv_cache_memory (bytes),
-        gpu_memory_utilization, block_size, max_prefixes, mtp_hidden ("normed": the MTP head reads the
-        final-normed hidden state, as vLLM feeds it; "raw": before the final norm), cuda_graphs (True: decode
-        and verify steps replay CUDA graphs on CUDA; ENCLAVE_CUDA_GRAPHS=0 also turns them off),
-        async_scheduling (None: on CUDA without speculation, the next step is launched before this step's
-        tokens are read; ENCLAVE_ASYNC_SCHEDULING=0 turns it off; True forces it, on the CPU too).
+        `options` (default: `EngineOptions()`), with any option replaced by its flat name in `flat`, e.g.
+        `device="cpu", dtype="float32", max_num_seqs=8, quantization="fp8"`; `EngineOptions.flat_fields()`
+        lists every option with its meaning. `device` and `dtype` may also be a torch.device and a
+        torch.dtype, and `dtype=None` or `quantization=None` mean auto and none.
         """
-        device = _device(device)
-        dtype = _dtype(dtype, device)
-        quantization = quantization_mode(quantization)
+        if options is not None and not isinstance(options, EngineOptions):
+            raise EngineError("from_pretrained(path, options, **flat): name device= and dtype= as keywords")
+        options = (options or EngineOptions()).with_flat(_flat_load(flat))
+        device = _device(options.load.device)
+        auto = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = _DTYPES.get(options.load.dtype, auto)
+        quantization = quantization_mode(options.load.quantization)
         config = load_config(path)
         tokenizer = Tokenizer.from_dir(path)
         model = load_model(path, config, device, dtype, quantization)
         fp8 = ", projections and experts in fp8" if quantization else ""
         log.info("loaded %s (%s) on %s as %s%s", path, config.model_type, device, dtype, fp8)
-        return cls(model, config, tokenizer, device, dtype, **options)
+        return cls(model, config, tokenizer, device, dtype, options, drafter=drafter)
 
     @property
     def has_mtp(self) -> bool:
@@ -448,25 +393,31 @@ def _serve(ref: weakref.ref[Engine], cond: threading.Condition) -> None:
         engine = None
 
 
-def _device(device: str | torch.device | None) -> torch.device:
-    if device is None:
+def _flat_load(flat: dict[str, Any]) -> dict[str, Any]:
+    """`from_pretrained`'s keywords as option values: a torch.device or torch.dtype by name, None as the
+    default dtype and quantization, and a quantization checked by the loader (its own one-line error)."""
+    flat = dict(flat)
+    if isinstance(flat.get("device"), torch.device):
+        flat["device"] = str(flat["device"])
+    if isinstance(flat.get("dtype"), torch.dtype):
+        dtype = flat["dtype"]
+        if dtype not in _DTYPES.values():
+            raise EngineError(f"unsupported dtype {dtype} (use float32, bfloat16 or float16)")
+        flat["dtype"] = str(dtype).removeprefix("torch.")
+    elif "dtype" in flat and flat["dtype"] is None:
+        flat["dtype"] = "auto"
+    if "quantization" in flat:
+        flat["quantization"] = quantization_mode(flat["quantization"]) or "none"
+    return flat
+
+
+def _device(name: str | None) -> torch.device:
+    if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(device)
+        device = torch.device(name)
     except (RuntimeError, TypeError) as exc:
-        raise EngineError(f"unknown device {device!r}: {exc}") from None
+        raise EngineError(f"unknown device {name!r}: {exc}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EngineError("device cuda was asked for, but CUDA is not available on this machine")
     return device
-
-
-def _dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise EngineError(f"unsupported dtype {dtype} (use float32, bfloat16 or float16)")
-        return dtype
-    if dtype not in _DTYPES:
-        raise EngineError(f"unsupported dtype {dtype!r} (use float32, bfloat16 or float16)")
-    return _DTYPES[dtype]

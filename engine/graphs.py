@@ -21,12 +21,12 @@ capture), so the first use of a shape costs one extra forward.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
 from engine.cache import ModelCache
+from engine.env import engine_env
 from engine.kernels import SeqLayout, dispatch
 from engine.kernels.layout import SHORT_QUERY
 from engine.model.model import CausalLM
@@ -37,12 +37,13 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384
 MIN_TABLE_BLOCKS = 16  # narrowest block table a graph is captured for (256 positions at block size 16)
 
 
-def graphs_wanted(device: torch.device) -> bool:
-    """CUDA graphs on CUDA with the Triton kernels (the references sync with the host), unless
+def graphs_wanted(device: torch.device, requested: bool | None = None) -> bool:
+    """Whether to replay CUDA graphs: only on CUDA with the Triton kernels (the references sync with the
+    host), and there as `requested` (the `cuda_graphs` option), or, when that is None, unless
     ENCLAVE_CUDA_GRAPHS=0."""
-    if device.type != "cuda" or os.environ.get("ENCLAVE_CUDA_GRAPHS", "1").strip() == "0":
+    if device.type != "cuda" or dispatch.backend() == "torch":
         return False
-    return dispatch.backend() != "torch"
+    return engine_env().cuda_graphs if requested is None else requested
 
 
 @dataclass(frozen=True)

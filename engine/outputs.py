@@ -55,6 +55,8 @@ class EngineStats:
     num_preemptions: int
     draft_tokens: int
     accepted_tokens: int
+    # kernel op -> the implementation it last ran in this process (`engine.kernels.dispatch.usage()`)
+    kernels: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -12,6 +12,7 @@ becomes KV blocks, capped at what `max_num_seqs` sequences of the full context c
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,9 @@ import torch
 from engine.cache import block_bytes, slot_bytes
 from engine.config import ModelConfig
 from engine.errors import EngineError
+from engine.options import EngineOptions
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CPU_CACHE_BYTES = 2 << 30
 MAX_AUTO_SEQS = 1024  # the most sequences an automatically sized engine runs at once
@@ -76,6 +80,44 @@ def memory_budget(
     free, total = torch.cuda.mem_get_info(device)
     reserve = total * (1.0 - gpu_memory_utilization)
     return int(free - reserve - activation_bytes(config, dtype, max_num_batched_tokens, logit_rows))
+
+
+def plan_for(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    options: EngineOptions,
+    *,
+    max_model_len: int,
+    num_mtp_layers: int = 0,
+) -> tuple[int, CachePlan]:
+    """`max_num_seqs` (the option's, or sized from the budget: `affordable_seqs` on CUDA, CPU_MAX_NUM_SEQS
+    elsewhere) and the cache plan for the options' serving and cache settings."""
+    serving, cache = options.serving, options.cache
+    k = options.speculation.num_speculative_tokens
+    max_num_seqs = serving.max_num_seqs
+    if max_num_seqs is None and device.type != "cuda":
+        max_num_seqs = CPU_MAX_NUM_SEQS
+    budget = memory_budget(
+        device,
+        config,
+        dtype,
+        max_num_batched_tokens=serving.max_num_batched_tokens,
+        logit_rows=(max_num_seqs or MAX_AUTO_SEQS) * (1 + k),
+        gpu_memory_utilization=cache.gpu_memory_utilization,
+        kv_cache_memory=cache.kv_cache_memory,
+    )
+    sizes = dict(
+        max_model_len=max_model_len,
+        num_speculative_tokens=k,
+        num_mtp_layers=num_mtp_layers,
+        block_size=cache.block_size,
+        max_prefixes=cache.max_prefixes,
+    )
+    if max_num_seqs is None:
+        max_num_seqs = affordable_seqs(config, dtype, budget, **sizes)
+        log.info("max_num_seqs %d, sized from a cache budget of %.1f GiB", max_num_seqs, budget / 2**30)
+    return max_num_seqs, plan_cache(config, dtype, budget, max_num_seqs=max_num_seqs, **sizes)
 
 
 def plan_cache(

@@ -1,9 +1,13 @@
 """Run one scheduled step on the model: a flat token batch, sampling, draft verification, new drafts.
 
-Prefill chunks, decodes and MTP verify steps share one forward pass. For each sequence that reaches the
-end of its known tokens the runner samples (or verifies its drafts and commits the DeltaNet state of the
-accepted length), appends the new tokens to the sequence, and, with speculation on, runs the MTP head over
-the step's positions (filling its KV cache) and drafts the next `k` tokens.
+Prefill chunks, decodes and MTP verify steps share one forward pass. `launch` queues the step on the device;
+`sample` reads its tokens: for each sequence that reaches the end of its known tokens, the next token (or,
+verifying drafts, the accepted run plus one, committing the DeltaNet state of the accepted length). The
+runner never changes a `Sequence`: it returns `Sampled` per scheduled sequence and the scheduler appends
+them; with speculation, `draft` then runs the MTP head over the step's positions (filling its KV cache) and
+returns the next `k` drafts. For asynchronous scheduling `defer` copies a step's tokens to the host behind an
+event and `read` takes them later, while the next step, launched with this one as `previous`, takes them as
+its input ids device to device.
 """
 
 from __future__ import annotations
@@ -19,41 +23,42 @@ from engine.kernels import SeqLayout
 from engine.model.model import CausalLM
 from engine.planner import CachePlan
 from engine.sampler import filtered_probs, logprob_entries, sample_rows, to_device
-from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.scheduler import NOTHING, Drafts, Sampled, ScheduledSeq, SchedulerOutput
 from engine.sequence import PENDING, Sequence
 from engine.speculative import accept_greedy, accept_sampled
 
 # A test or benchmark may replace the MTP head as drafter: (sequence, how many) -> draft token ids.
 Drafter = Callable[[Sequence, int], list[int]]
-# Which main-model hidden state the MTP head reads: after the final norm (vLLM's choice) or before it.
-MTP_HIDDEN = ("normed", "raw")
 
 
-@dataclass
-class StepResult:
-    accepted: list[int]  # drafts accepted, per scheduled sequence
-    num_generated: int  # tokens appended to sequences
-
-
-@dataclass
+@dataclass(frozen=True)
 class Launched:
-    """A step whose forward pass and sampling are queued on the device; `finish` reads its tokens.
-
-    `deferred`: its tokens were reserved as placeholders (`Sequence.reserve`) and copied to `host` behind
-    `ready`, so the next step can be planned and launched before the host reads them (asynchronous
-    scheduling); the next step takes them as input ids from `tokens`, device to device."""
+    """A step whose forward pass, logits and sampling are queued on the device; `sample` (or `defer` and
+    `read`) takes its tokens."""
 
     items: list[ScheduledSeq]
-    layout: SeqLayout | None = None
-    emit_rows: list[list[int]] | None = None
-    logits: torch.Tensor | None = None  # [rows, V] fp32
-    tokens: torch.Tensor | None = None  # [rows] int64: each row's argmax or draw (drafts accepted later)
-    hidden: torch.Tensor | None = None  # [T, H] before the final norm, and after it, for the MTP head
-    normed: torch.Tensor | None = None
-    deferred: bool = False
-    host: torch.Tensor | None = None  # pinned copy of `tokens`, complete once `ready` has passed
-    ready: torch.cuda.Event | None = None
-    rows: dict[int, int] | None = None  # id(seq) -> its row in `tokens` (deferred steps)
+    layout: SeqLayout
+    emit_rows: list[list[int]]  # per item, the flat-batch rows whose logits it samples from
+    logits: torch.Tensor  # [rows, V] fp32
+    tokens: torch.Tensor  # [rows] int64: each row's argmax or draw (drafts accepted later)
+    mtp_input: torch.Tensor | None  # [T, H] the hidden states the MTP head reads (speculation only)
+
+    def token_rows(self) -> list[int | None]:
+        """Per item, its (first) row in `tokens`, or None when it samples nothing."""
+        rows: list[int | None] = []
+        offset = 0
+        for emitted in self.emit_rows:
+            rows.append(offset if emitted else None)
+            offset += len(emitted)
+        return rows
+
+
+@dataclass(frozen=True)
+class Readback:
+    """A deferred step's tokens on their way to the host: `host` is complete once `ready` has passed."""
+
+    host: torch.Tensor  # [rows] pinned copy of `Launched.tokens` (the tensor itself off CUDA)
+    ready: torch.cuda.Event | None
 
 
 class ModelRunner:
@@ -67,9 +72,7 @@ class ModelRunner:
         mtp_hidden: str = "normed",
         graphs: DecodeGraphs | None = None,
     ) -> None:
-        if mtp_hidden not in MTP_HIDDEN:
-            raise ValueError(f"mtp_hidden must be one of {', '.join(MTP_HIDDEN)}, got {mtp_hidden!r}")
-        self.mtp_hidden = mtp_hidden
+        self.mtp_hidden = mtp_hidden  # checked by SpeculationOptions
         self.model = model
         self.cache = cache
         self.plan = plan
@@ -77,107 +80,78 @@ class ModelRunner:
         self.k = num_speculative_tokens
         self.drafter = drafter
         self.graphs = graphs  # CUDA graphs for decode and verify steps; None runs every step eagerly
-        self._pending: Launched | None = None  # the deferred step whose tokens are not read yet
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run a step and read its tokens."""
-        return self.finish(self.launch(out))
+    def launch(
+        self, out: SchedulerOutput, previous: Launched | None = None, nonblocking: bool = False
+    ) -> Launched | None:
+        """Queue the step's forward pass, logits and sampling on the device, without waiting for them; None
+        when nothing is scheduled.
 
-    @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, defer: bool = False) -> Launched:
-        """Queue the step's forward pass, logits and sampling on the device, without waiting for them.
-
-        With `defer` (and no speculation, no log-probs asked for), the sampled tokens are reserved as
-        placeholders and copied to pinned memory: `finish` may then run after the next step's launch."""
+        `previous`: the deferred step whose tokens are still placeholders (`PENDING`) in the sequences; they
+        become this step's input ids on the device. `nonblocking`: the device may still be busy with it, so
+        input ids are uploaded without waiting."""
         self.cache.copy_slots([a for a, _ in out.slot_copies], [b for _, b in out.slot_copies])
         self.cache.copy_blocks([a for a, _ in out.block_copies], [b for _, b in out.block_copies])
         items = out.scheduled
         if not items:
-            return Launched(items)
-        layout, ids = self._batch(items, defer)
+            return None
+        layout, ids = self._batch(items, previous, nonblocking)
         hidden = self.graphs.run(layout, ids) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model(ids, layout, self.cache)
         emit_rows = self._emit_rows(items, layout)
         wanted = self._rows(emit_rows, hidden.shape[0])
+        mtp_input = None
         if self.k:
             normed = self.model.final_norm(hidden)
             logits = self.model.logits(normed if wanted is None else normed[wanted])
+            mtp_input = normed if self.mtp_hidden == "normed" else hidden
         else:
-            normed = None
             logits = self.model.logits(self.model.final_norm(hidden if wanted is None else hidden[wanted]))
         tokens = self._tokens(items, emit_rows, logits)
-        launched = Launched(items, layout, emit_rows, logits, tokens, hidden, normed)
-        if defer and self._deferrable(items):
-            self._defer(launched)
-        return launched
+        return Launched(items, layout, emit_rows, logits, tokens, mtp_input)
 
-    @torch.inference_mode()
-    def finish(self, launched: Launched) -> StepResult:
-        """Read a launched step's tokens: append them (or resolve its placeholders), verify drafts, draft."""
-        items = launched.items
-        if not items:
-            return StepResult([], 0)
-        if launched.deferred:
-            return self._resolve(launched)
-        accepted, generated = self._emit(launched)
-        if self.k:
-            hidden = launched.normed if self.mtp_hidden == "normed" else launched.hidden
-            self._draft(items, launched.layout, hidden, accepted)
-        return StepResult(accepted, generated)
-
-    def _deferrable(self, items: list[ScheduledSeq]) -> bool:
+    def deferrable(self, launched: Launched) -> bool:
         """Whether the step's tokens can wait on the device: not with drafts to verify or propose, nor with
         log-probabilities to compute from its logits."""
         if self.k or self.drafter is not None:
             return False
-        return all(item.seq.params.logprobs is None for item in items if item.samples)
+        return all(item.seq.params.logprobs is None for item in launched.items if item.samples)
 
-    def _defer(self, launched: Launched) -> None:
+    @torch.inference_mode()
+    def defer(self, launched: Launched) -> Readback:
+        """Start copying the step's tokens to pinned host memory; `read` takes them once copied."""
         tokens = launched.tokens
-        launched.rows = {}
-        offset = 0
-        for item, rows in zip(launched.items, launched.emit_rows, strict=True):
-            if rows:
-                launched.rows[id(item.seq)] = offset
-                item.seq.reserve()
-            offset += len(rows)
-        if tokens.device.type == "cuda":
-            launched.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            launched.host.copy_(tokens, non_blocking=True)
-            launched.ready = torch.cuda.Event()
-            launched.ready.record()
-        else:
-            launched.host = tokens
-        launched.deferred = True
-        self._pending = launched
+        if tokens.device.type != "cuda":
+            return Readback(tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return Readback(host, ready)
 
-    def _resolve(self, launched: Launched) -> StepResult:
-        """Replace a deferred step's placeholders with its tokens (their stop checks run now)."""
-        if launched.ready is not None:
-            launched.ready.synchronize()  # this step's tokens only: later steps keep running
-        if self._pending is launched:
-            self._pending = None
-        tokens = launched.host.tolist()
-        generated = 0
-        for item, rows in zip(launched.items, launched.emit_rows, strict=True):
-            seq = item.seq
-            if rows and not seq.finished and seq.num_pending:  # else it ended on an earlier token
-                seq.resolve(tokens[launched.rows[id(seq)]], None)
-                generated += 1
-        return StepResult([0] * len(launched.items), generated)
+    def read(self, launched: Launched, readback: Readback) -> list[Sampled]:
+        """A deferred step's token per sequence that sampled (waiting for this step's copy only: later steps
+        keep running)."""
+        if readback.ready is not None:
+            readback.ready.synchronize()
+        tokens = readback.host.tolist()
+        return [NOTHING if row is None else Sampled((tokens[row],)) for row in launched.token_rows()]
 
-    def _batch(self, items: list[ScheduledSeq], defer: bool = False) -> tuple[SeqLayout, torch.Tensor]:
+    def _batch(
+        self, items: list[ScheduledSeq], previous: Launched | None, nonblocking: bool
+    ) -> tuple[SeqLayout, torch.Tensor]:
         ids: list[int] = []
         state_out: list[tuple[int, ...]] = []
-        pending: list[tuple[int, int]] = []  # (flat position, row of the deferred step's tokens)
+        pending: list[tuple[int, int]] = []  # (flat position, row of the previous step's tokens)
+        rows = _rows_by_seq(previous)
         verifying = 0
         for item in items:
             seq = item.seq
             known = seq.token_ids[item.context : item.context + item.num_new]
             if known and known[-1] == PENDING:
-                pending.append((len(ids) + len(known) - 1, self._pending.rows[id(seq)]))
+                pending.append((len(ids) + len(known) - 1, rows[seq]))
             ids += known
             ids += item.drafts
             if item.drafts:
@@ -194,17 +168,19 @@ class ModelRunner:
             self.cache.block_size,
             tuple(state_out) if verifying else None,
         )
-        return layout, self._ids(ids, pending, defer)
+        return layout, self._ids(ids, pending, previous, nonblocking)
 
-    def _ids(self, ids: list[int], pending: list[tuple[int, int]], defer: bool) -> torch.Tensor:
+    def _ids(
+        self, ids: list[int], pending: list[tuple[int, int]], previous: Launched | None, nonblocking: bool
+    ) -> torch.Tensor:
         """The step's input ids on the device. Placeholders take the previous step's sampled tokens, device
         to device; with every input a placeholder in row order (a decode step), those tokens are the input."""
         if not pending:
-            if defer:  # the device may still be busy with the previous step: do not wait for it
+            if nonblocking:  # the device may still be busy with the previous step: do not wait for it
                 return self._to_device(ids)
             # Between steps the device is idle: a plain (synchronising) copy costs less than pinning.
             return torch.tensor(ids, dtype=torch.long, device=self.device)
-        tokens = self._pending.tokens
+        tokens = previous.tokens
         positions, rows = [p for p, _ in pending], [r for _, r in pending]
         if positions == list(range(len(ids))) and rows == list(range(tokens.shape[0])):
             return tokens
@@ -233,19 +209,20 @@ class ModelRunner:
             rows.append(list(range(first, first + 1 + len(item.drafts))) if item.samples else [])
         return rows
 
-    def _emit(self, launched: Launched) -> tuple[list[int], int]:
+    @torch.inference_mode()
+    def sample(self, launched: Launched) -> list[Sampled]:
+        """Read the step's tokens: per scheduled sequence, its next token, or its drafts kept and the token
+        after them (committing the DeltaNet state of the accepted length), with log-probs where asked for."""
         items, emit_rows, logits = launched.items, launched.emit_rows, launched.logits
-        layout = launched.layout
         argmax = launched.tokens.tolist()
-        accepted: list[int] = []
+        sampled: list[Sampled] = []
         commits: list[tuple[int, int]] = []
-        generated = 0
         offset = 0
         for index, (item, rows) in enumerate(zip(items, emit_rows, strict=True)):
             seq, block = item.seq, slice(offset, offset + len(rows))
             offset += len(rows)
             if not rows or seq.finished:  # finished: its end was read after this step was launched
-                accepted.append(0)
+                sampled.append(NOTHING)
                 continue
             drafts = list(item.drafts)
             if seq.params.greedy:
@@ -260,27 +237,16 @@ class ModelRunner:
             else:
                 tokens = [argmax[block.start]]  # drawn on the device by _tokens
             kept = len(tokens) - 1
-            if drafts:
-                seq.metrics.accepted_lengths.append(kept)
-                seq.metrics.num_draft_tokens += len(drafts)
-                if kept < len(drafts):
-                    # The state after the last accepted input is the verify step's kept[th] position.
-                    commits.append((layout.state_out[index][kept], seq.slot))
+            if drafts and kept < len(drafts):
+                # The state after the last accepted input is the verify step's kept[th] position.
+                commits.append((launched.layout.state_out[index][kept], seq.slot))
             want = seq.params.logprobs
-            lps = (  # slicing the logits costs microseconds per sequence: only where log-probs are asked for
-                logprob_entries(logits[block][: len(tokens)], tokens, [want] * len(tokens))
-                if want is not None
-                else [None] * len(tokens)
-            )
-            for token, lp in zip(tokens, lps, strict=True):
-                seq.append(token, lp)
-                generated += 1
-                if seq.finished:
-                    break
-            accepted.append(kept)
-            seq.draft_ids, seq.draft_probs = [], None
+            lps = None
+            if want is not None:  # slicing the logits costs microseconds per sequence: only when asked for
+                lps = tuple(logprob_entries(logits[block][: len(tokens)], tokens, [want] * len(tokens)))
+            sampled.append(Sampled(tuple(tokens), lps, kept))
         self.cache.copy_slots([a for a, _ in commits], [b for _, b in commits])
-        return accepted, generated
+        return sampled
 
     @staticmethod
     def _tokens(items: list[ScheduledSeq], emit_rows: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
@@ -295,25 +261,25 @@ class ModelRunner:
         params, generators = [s.params for s in seqs], [s.generator for s in seqs]
         return sample_rows(logits, rows, params, generators)
 
-    def _draft(
-        self,
-        items: list[ScheduledSeq],
-        layout: SeqLayout,
-        main_hidden: torch.Tensor,
-        accepted: list[int],
-    ) -> None:
-        """Fill the MTP head's KV for this step's positions and propose the next drafts."""
+    @torch.inference_mode()
+    def draft(self, launched: Launched, sampled: list[Sampled]) -> list[Drafts | None]:
+        """Fill the MTP head's KV for this step's positions and propose the next drafts, per scheduled
+        sequence (None: none proposed). Runs once the scheduler appended `sampled`: drafts follow them."""
+        items, layout = launched.items, launched.layout
+        accepted = [got.accepted for got in sampled]
+        proposed: list[Drafts | None] = [None] * len(items)
         wanting = [
             (i, item)
             for i, item in enumerate(items)
             if item.samples and not item.seq.finished and self._draft_count(item.seq) > 0
         ]
         if self.drafter is not None:
-            for _, item in wanting:
-                item.seq.draft_ids = list(self.drafter(item.seq, self._draft_count(item.seq)))[: self.k]
-            return
+            for i, item in wanting:
+                ids = self.drafter(item.seq, self._draft_count(item.seq))
+                proposed[i] = Drafts(tuple(ids)[: self.k])
+            return proposed
         if self.model.mtp is None:
-            return
+            return proposed
         # Position p's MTP input pairs the main model's hidden state at p with the token at p + 1.
         next_ids = []
         for item in items:
@@ -324,9 +290,9 @@ class ModelRunner:
         mtp_layout = SeqLayout(
             layout.query_lens, layout.context_lens, layout.slots, layout.block_tables, layout.block_size
         )
-        h = self.model.mtp_hidden(self._to_device(next_ids), main_hidden, mtp_layout, self.cache)
+        h = self.model.mtp_hidden(self._to_device(next_ids), launched.mtp_input, mtp_layout, self.cache)
         if not wanting:
-            return
+            return proposed
         rows = [layout.cu_seqlens[i] + item.num_new - 1 + accepted[i] for i, item in wanting]
         seqs = [item.seq for _, item in wanting]
         counts = [self._draft_count(s) for s in seqs]
@@ -351,9 +317,10 @@ class ModelRunner:
             )
             token_ids = self._to_device(tokens)
             hidden = self.model.mtp_hidden(token_ids, hidden, step_layout, self.cache, step + 1)
-        for b, seq in enumerate(seqs):
-            seq.draft_ids = drafts[b][: counts[b]]
-            seq.draft_probs = None if seq.params.greedy else torch.stack(probs[b][: counts[b]])
+        for b, (i, item) in enumerate(wanting):
+            q = None if item.seq.params.greedy else torch.stack(probs[b][: counts[b]])
+            proposed[i] = Drafts(tuple(drafts[b][: counts[b]]), q)
+        return proposed
 
     def _draft_count(self, seq: Sequence) -> int:
         """Drafts worth proposing: at most k, and fewer near max_tokens or the context limit."""
@@ -373,3 +340,11 @@ class ModelRunner:
                 tokens[b] = int(torch.multinomial(q, 1, generator=seq.generator)[0])
                 probs[b].append(q)
         return tokens
+
+
+def _rows_by_seq(launched: Launched | None) -> dict[Sequence, int]:
+    """Each sequence that sampled in `launched`, with its row in `launched.tokens`."""
+    if launched is None:
+        return {}
+    rows = zip(launched.items, launched.token_rows(), strict=True)
+    return {item.seq: row for item, row in rows if row is not None}

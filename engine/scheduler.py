@@ -7,8 +7,10 @@ admitted while a slot, the token budget and KV blocks allow; admission waits rat
 A running sequence that needs a block when none is free takes one from the least urgent running
 sequence, which is preempted: its slot and blocks are freed and it is recomputed from scratch later.
 
-The scheduler never touches tensors: it hands the runner a `SchedulerOutput` (which sequences, how many
-tokens, which slot and block copies to make first) and is told afterwards how many drafts were accepted.
+The scheduler never computes on tensors: it hands the runner a `SchedulerOutput` (which sequences, how many
+tokens, which slot and block copies to make first) and takes back, per scheduled sequence, the tokens the
+step sampled (`Sampled`, appended by `apply`) and any new drafts (`Drafts`, kept by `set_drafts`); `update`
+then advances each sequence by its computed tokens and accepted drafts.
 """
 
 from __future__ import annotations
@@ -16,10 +18,14 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.allocator import BlockAllocator, SlotAllocator
 from engine.prefix import PrefixCache, PrefixEntry
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +36,8 @@ class ScheduledSeq:
     context: int  # tokens already cached
     num_new: int  # known tokens computed this step: seq.token_ids[context : context + num_new]
     drafts: tuple[int, ...] = ()  # MTP drafts verified after them
-    cached_prefix: int = 0  # of `context`, tokens that came from a shared prefix at admission
     # This step reaches the end of the known tokens, so it yields the next one (fixed when scheduled:
-    # the runner appends tokens afterwards).
+    # its tokens are appended afterwards).
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +59,28 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """What one scheduled sequence got from a step: tokens to append (the drafts kept, then one more), their
+    log-probabilities where the request asks for them, and how many drafts were kept. No tokens: the step
+    did not sample for it (a prefill chunk, or a request that had already ended)."""
+
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[dict[int, float], ...] | None = None
+    accepted: int = 0
+
+
+NOTHING = Sampled()
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """The next drafts proposed for a sequence, and the distributions they were drawn from."""
+
+    ids: tuple[int, ...]
+    probs: torch.Tensor | None = None  # [len(ids), V] for sampled requests; None: greedy, or a fixed drafter
 
 
 class Scheduler:
@@ -257,7 +284,7 @@ class Scheduler:
                 out.block_copies.append((entry.blocks[len(shared)], fresh[0]))  # the partial last block
             seq.blocks += fresh
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, start, num_new, (), start))
+            out.scheduled.append(ScheduledSeq(seq, start, num_new))
             budget -= num_new
 
     def _prefix_entry(self, seq: Sequence) -> PrefixEntry | None:
@@ -275,6 +302,32 @@ class Scheduler:
         return entry
 
     # ---- after the step
+
+    def apply(self, out: SchedulerOutput, sampled: list[Sampled]) -> int:
+        """Append each scheduled sequence's sampled tokens, running the stop checks on each (the tokens after
+        one that ends the request are dropped); returns how many were appended."""
+        appended = 0
+        for item, got in zip(out.scheduled, sampled, strict=True):
+            if not got.tokens:
+                continue
+            seq = item.seq
+            if item.drafts:
+                seq.metrics.accepted_lengths.append(got.accepted)
+                seq.metrics.num_draft_tokens += len(item.drafts)
+            logprobs = got.logprobs or (None,) * len(got.tokens)
+            for token, lp in zip(got.tokens, logprobs, strict=True):
+                seq.append(token, lp)
+                appended += 1
+                if seq.finished:
+                    break
+            seq.draft_ids, seq.draft_probs = [], None
+        return appended
+
+    def set_drafts(self, out: SchedulerOutput, drafts: list[Drafts | None]) -> None:
+        """Keep the drafts proposed for the next step (None: nothing proposed for that sequence)."""
+        for item, proposed in zip(out.scheduled, drafts, strict=True):
+            if proposed is not None:
+                item.seq.draft_ids, item.seq.draft_probs = list(proposed.ids), proposed.probs
 
     def update(self, out: SchedulerOutput, accepted: list[int]) -> list[Sequence]:
         """Advance each scheduled sequence by its computed tokens (and `accepted` drafts); free the finished.

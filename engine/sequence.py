@@ -34,10 +34,11 @@ class Sequence:
     blocks `blocks`). A step computes `token_ids[num_computed:]` (or a chunk of it) plus any `draft_ids`
     the MTP head proposed; when it reaches the end, the next token is sampled.
 
-    With asynchronous scheduling the next step is planned before the host reads this step's tokens: each
-    such token is `reserve`d as a PENDING placeholder (counted, so the scheduler plans around it; its value
-    goes from device to device into the next step's input) and later `resolve`d, oldest first, which runs
-    the stop checks. `num_pending` placeholders are always the last tokens.
+    The runner never changes a sequence: the scheduler `append`s the tokens a step sampled. With
+    asynchronous scheduling (`AsyncEngineCore`) the next step is planned before the host reads this step's
+    tokens: each such token is `reserve`d as a PENDING placeholder (counted, so the scheduler plans around
+    it; its value goes from device to device into the next step's input) and later `resolve`d, oldest
+    first, which runs the stop checks. `num_pending` placeholders are always the last tokens.
     """
 
     def __init__(

@@ -54,9 +54,11 @@ from engine.bench.transformers_ref import transformers_comparison
 from engine.bench.workloads import RUNNERS
 from engine.config import ModelConfig, config_from_dict
 from engine.engine import Engine
+from engine.env import engine_env
 from engine.errors import EngineError
 from engine.model.fp8_linear import quantize_model_
 from engine.model.model import CausalLM
+from engine.options import QUANTIZATIONS, EngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +72,17 @@ def load(
     """The model to measure: a preset with random weights, or the checkpoint at --model."""
     if args.model:
         # A small cache only: the workloads plan their own. The engine is dropped, the model kept.
-        engine = Engine.from_pretrained(
-            args.model,
-            device=device,
-            dtype=dtype,
-            max_num_seqs=1,
-            max_prefixes=0,
-            kv_cache_memory=GIB,
-            quantization=args.quantization,
+        options = EngineOptions.from_flat(
+            {
+                "device": str(device),
+                "dtype": str(dtype).removeprefix("torch."),
+                "quantization": args.quantization,
+                "max_num_seqs": 1,
+                "max_prefixes": 0,
+                "kv_cache_memory": GIB,
+            }
         )
+        engine = Engine.from_pretrained(args.model, options)
         model, config = engine.model, engine.config
         engine.close()
         return model.requires_grad_(False), config, dict(config.extra.get("raw") or {})
@@ -163,7 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "settings": asdict(settings),
         "block_size": BLOCK_SIZE,
         "warmup_decode_steps": WARMUP_STEPS,
-        "kernels": os.environ.get("ENCLAVE_KERNELS", "auto"),
+        "kernels": engine_env().kernels,
         "sampling": "greedy, ignore_eos, random prompt token ids",
     }
     return {
@@ -190,6 +194,11 @@ def _sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _doc(option: str) -> str:
+    """An engine option's meaning, as `EngineOptions.flat_fields()` documents it."""
+    return next(f.doc for f in EngineOptions.flat_fields() if f.name == option).replace("%", "%%")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line; its description is this module's first docstring line."""
     parser = argparse.ArgumentParser(prog="engine.bench", description=__doc__.splitlines()[0])
@@ -206,7 +215,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         help="cache budget of each workload (default 40 on cuda; (h)-(j): what the engine plans)",
     )
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help=_doc("max_num_batched_tokens")
+    )
     parser.add_argument(
         "--max-num-seqs",
         type=int,
@@ -215,12 +226,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--batches", type=_sizes, help="batch sizes of (b) (default 16,64,256)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--quantization",
-        choices=("none", "fp8"),
-        default="none",
-        help="fp8: dense projections and routed experts in block FP8",
-    )
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help=_doc("quantization"))
     parser.add_argument("--json", default=str(DEFAULT_JSON), help="write the results here ('' for none)")
     args = parser.parse_args(argv)
     if args.max_seconds <= 0 or args.max_num_batched_tokens < 1 or args.max_num_seqs < 1:

@@ -9,13 +9,15 @@ from typing import Any
 
 import torch
 
+from engine.async_core import build_core
 from engine.bench.device import sync, wall_time
 from engine.bench.settings import BLOCK_SIZE, WARMUP_STEPS, Settings, Sizes
 from engine.bench.traffic import ParamCounts, roofline, step_bytes
 from engine.config import ModelConfig
 from engine.core import EngineCore
 from engine.model.model import CausalLM
-from engine.planner import plan_cache
+from engine.options import EngineOptions
+from engine.planner import plan_for
 from engine.runner import Drafter
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
@@ -35,6 +37,17 @@ class Bench:
     bandwidth: float  # bytes/s
     matmul: float  # FLOP/s
 
+    def options(self, **flat: object) -> EngineOptions:
+        """The run's engine options (its batch budget, BLOCK_SIZE, no shared prefixes), with `flat` set."""
+        base = {
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "max_num_batched_tokens": self.settings.max_num_batched_tokens,
+            "block_size": BLOCK_SIZE,
+            "max_prefixes": 0,
+        }
+        return EngineOptions.from_flat(base | flat)
+
     def core(
         self,
         max_num_seqs: int,
@@ -45,30 +58,20 @@ class Bench:
     ) -> EngineCore:
         """A fresh engine core whose pools fit `max_num_seqs` sequences of `max_len` positions (at most the
         cache budget); with `k` drafts per step from `drafter`, or from the MTP head when it is None;
-        asynchronous scheduling as `EngineCore` decides unless `asynchronous` says."""
-        # The core gives the MTP head its KV cache whenever k > 0, even when a drafter stands in for it.
-        num_mtp = len(self.model.mtp.layers) if self.model.mtp is not None and k else 0
-        plan = plan_cache(
-            self.config,
-            self.dtype,
-            self.settings.kv_cache_bytes,
+        asynchronous scheduling as `build_core` decides unless `asynchronous` says."""
+        options = self.options(
             max_num_seqs=max_num_seqs,
             max_model_len=max_len,
+            kv_cache_memory=self.settings.kv_cache_bytes,
             num_speculative_tokens=k,
-            num_mtp_layers=num_mtp,
-            block_size=BLOCK_SIZE,
-            max_prefixes=0,
-        )
-        return EngineCore(
-            self.model,
-            plan,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=self.settings.max_num_batched_tokens,
-            num_speculative_tokens=k,
-            max_prefixes=0,
-            drafter=drafter,
             async_scheduling=asynchronous,
         )
+        # The core gives the MTP head its KV cache whenever k > 0, even when a drafter stands in for it.
+        num_mtp = len(self.model.mtp.layers) if self.model.mtp is not None and k else 0
+        _, plan = plan_for(
+            self.config, self.dtype, self.device, options, max_model_len=max_len, num_mtp_layers=num_mtp
+        )
+        return build_core(self.model, plan, options, drafter)
 
     def prompts(self, n: int, length: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.settings.seed)

@@ -71,18 +71,12 @@ def peer(letter: str) -> Callable[[Bench], list[dict[str, Any]]]:
 
 
 def _engine(b: Bench, shape: Served, max_num_seqs: int | None, kv_cache_bytes: int | None) -> Engine:
-    return Engine(
-        b.model,
-        b.config,
-        None,
-        b.device,
-        b.dtype,
+    options = b.options(
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=b.settings.max_num_batched_tokens,
         max_model_len=shape.prompt_len + shape.new + 8,
         kv_cache_memory=kv_cache_bytes,
-        max_prefixes=0,
     )
+    return Engine(b.model, b.config, None, b.device, b.dtype, options)
 
 
 def _warm_up(b: Bench, shape: Served, max_num_seqs: int | None, kv_cache_bytes: int | None) -> None:

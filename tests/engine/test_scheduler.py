@@ -178,8 +178,9 @@ def test_a_long_prompt_is_prefilled_in_chunks():
     seq = make_seq(0, 21, max_tokens=2)
     sched.add(seq)
     outs, finished = run(sched)
-    got = [(i.context, i.num_new, i.samples, i.cached_prefix) for o in outs for i in o.scheduled]
-    assert got == [(0, 8, False, 0), (8, 8, False, 0), (16, 5, True, 0), (21, 1, True, 0)]
+    got = [(i.context, i.num_new, i.samples) for o in outs for i in o.scheduled]
+    assert got == [(0, 8, False), (8, 8, False), (16, 5, True), (21, 1, True)]
+    assert seq.metrics.cached_prefix_tokens == 0
     assert finished == [seq] and seq.output_ids == [NEXT, NEXT]
 
 
@@ -336,12 +337,11 @@ def test_a_shared_prefix_is_computed_once_and_shared():
 
     out, _ = step(sched)
     (item,) = out.scheduled
-    assert (item.seq, item.context, item.num_new, item.cached_prefix) == (u1, 9, 4, 9)
+    assert (item.seq, item.context, item.num_new, u1.metrics.cached_prefix_tokens) == (u1, 9, 4, 9)
     assert out.slot_copies == [(entry.slot, u1.slot)]
     assert out.block_copies == [(entry.blocks[2], u1.blocks[2])]
     assert u1.blocks[:2] == entry.blocks[:2] and u1.blocks[2] != entry.blocks[2]
     assert [sched.blocks.refcount(b) for b in entry.blocks] == [2, 2, 1]
-    assert u1.metrics.cached_prefix_tokens == 9
 
     u2 = make_seq(1, [*PREFIX, 4], prefix=PREFIX, max_tokens=3)
     u3 = make_seq(2, [*PREFIX, 5, 6, 7, 8, 9], prefix=PREFIX, max_tokens=3)
@@ -406,7 +406,7 @@ def test_a_preempted_prefix_user_restarts_from_the_prefix():
     assert [sched.blocks.refcount(b) for b in entry.blocks] == [1, 1, 1]  # only the entry holds them now
     outs, finished = run(sched)
     (item,) = [i for o in outs for i in o.scheduled if i.seq is u]
-    assert (item.context, item.num_new, item.cached_prefix, item.samples) == (9, 4, 9, True)
+    assert (item.context, item.num_new, item.samples, u.metrics.cached_prefix_tokens) == (9, 4, True, 9)
     readmit = next(o for o in outs if item in o.scheduled)
     assert [src for src, _ in readmit.slot_copies] == [entry.slot]
     assert [src for src, _ in readmit.block_copies] == [entry.blocks[2]]
@@ -426,7 +426,7 @@ def test_entries_named_by_live_requests_are_not_evicted():
     sched.add(u2)
     out, _ = step(sched)
     item = next(i for i in out.scheduled if i.seq is u2)
-    assert (item.context, item.num_new, item.cached_prefix) == (0, 7, 0)
+    assert (item.context, item.num_new, u2.metrics.cached_prefix_tokens) == (0, 7, 0)
     assert list(sched.prefixes.entries) == [k1] and sched.waiting == []
     run(sched)
     assert u2.metrics.cached_prefix_tokens == 0 and u1.metrics.cached_prefix_tokens == 5

@@ -1,0 +1,124 @@
+"""Asynchronous scheduling: step N+1 is planned and launched before step N's tokens are read, so the host's
+work between steps (scheduling, batching, stop checks) runs while the device computes.
+
+A deferred step's sampled tokens stay on the device: each sequence gets a placeholder (`Sequence.reserve`),
+counted so the scheduler plans around it, and the next step takes the token itself as input, device to
+device. The host reads the tokens one call later, after launching the next step, and resolves the
+placeholders (`Sequence.resolve`), running the stop checks then: a request that stopped there wastes the one
+step already launched for it, whose token is discarded. Steps whose tokens are needed at once (log-probs,
+drafts to verify or propose) run as in the synchronous core.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.core import EngineCore
+from engine.env import engine_env
+from engine.model.model import CausalLM
+from engine.options import EngineOptions
+from engine.planner import CachePlan
+from engine.runner import Drafter, Launched, Readback
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+
+
+def async_wanted(options: EngineOptions, device: torch.device, drafter: Drafter | None = None) -> bool:
+    """The `async_scheduling` option, or, left unset, on CUDA (on the CPU nothing runs beside the host)
+    unless ENCLAVE_ASYNC_SCHEDULING=0. Never with speculation: drafting needs the tokens at once."""
+    if options.speculation.num_speculative_tokens or drafter is not None:
+        return False
+    requested = options.serving.async_scheduling
+    if requested is not None:
+        return requested
+    return device.type == "cuda" and engine_env().async_scheduling
+
+
+def build_core(
+    model: CausalLM, plan: CachePlan, options: EngineOptions, drafter: Drafter | None = None
+) -> EngineCore:
+    """The asynchronous core when `async_wanted`, else the synchronous one."""
+    asynchronous = async_wanted(options, model.inv_freq.device, drafter)
+    return (AsyncEngineCore if asynchronous else EngineCore)(model, plan, options, drafter)
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A launched step whose tokens the host has not read yet."""
+
+    out: SchedulerOutput
+    launched: Launched
+    readback: Readback
+
+
+class AsyncEngineCore(EngineCore):
+    """`EngineCore` whose steps are read one call late (see the module docstring): `step` returns the
+    requests whose end was read in this call."""
+
+    async_scheduling = True
+
+    def __init__(
+        self, model: CausalLM, plan: CachePlan, options: EngineOptions, drafter: Drafter | None = None
+    ) -> None:
+        super().__init__(model, plan, options, drafter)
+        self._pending: Deferred | None = None
+
+    def has_work(self) -> bool:
+        return super().has_work() or self._pending is not None
+
+    def step(self) -> list[Sequence]:
+        """Launch a step (deferring its tokens where it can), then read the previous step's; return the
+        requests whose end was read."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        previous = self._pending
+        launched = self._launch(out, previous.launched if previous else None, nonblocking=True)
+        finished: list[Sequence] = []
+        deferred = None
+        if launched is not None and self.runner.deferrable(launched):
+            deferred = self._defer(out, launched)
+            finished += self.scheduler.update(out, [0] * len(out.scheduled))
+            self.deferred_steps += 1
+        if previous is not None:  # its tokens, read while this step runs
+            self._pending = None
+            finished += self._read(previous, out)
+        if deferred is not None:
+            self._pending = deferred
+        else:
+            finished += self._complete(out, launched)
+        self._timed(start)
+        return finished
+
+    def _defer(self, out: SchedulerOutput, launched: Launched) -> Deferred:
+        """Start the copy of the step's tokens to the host, and give each sequence that sampled a placeholder
+        for its token."""
+        try:
+            readback = self.runner.defer(launched)
+        except Exception as exc:
+            raise self._failed(exc, out) from exc
+        for item, row in zip(out.scheduled, launched.token_rows(), strict=True):
+            if row is not None:
+                item.seq.reserve()
+        return Deferred(out, launched, readback)
+
+    def _read(self, step: Deferred, launched_after: SchedulerOutput) -> list[Sequence]:
+        """Resolve a deferred step's placeholders with its tokens; release and return the requests they
+        ended. If reading fails, the step launched after it fails too: its inputs were those tokens."""
+        try:
+            sampled = self.runner.read(step.launched, step.readback)
+        except Exception as exc:
+            raise self._failed(exc, step.out, launched_after) from exc
+        ended = []
+        for item, got in zip(step.out.scheduled, sampled, strict=True):
+            seq = item.seq
+            if not got.tokens:
+                continue
+            if not seq.finished and seq.num_pending:  # else it ended on an earlier token
+                seq.resolve(got.tokens[0], None)
+                self.generated_tokens += 1
+            if seq.finished and self.scheduler.finish(seq):
+                ended.append(seq)
+        return ended
