@@ -3,7 +3,9 @@ when one exists (`configs/<GPU name>.json`, written by `benchmarks/fp8_gemm_tile
 the shape rules in `fp8.triton`.
 
 The table maps `table_key(N, K)` (a projection's outputs and inputs) to entries keyed by token count; a batch
-takes the entry of the tuned count nearest in ratio, up to twice the largest (beyond: the rules).
+takes the entry of the tuned count nearest in ratio, from half the smallest to twice the largest (outside:
+the rules). The H200 table holds prefill sizes only (1,024-16,384 tokens): below, the sweep's timings were
+bound by the host's launches, not the GPU.
 """
 
 from __future__ import annotations
@@ -51,10 +53,10 @@ def tuned_config(
     m: int, n: int, k: int, device: torch.device, directory: Path = CONFIG_DIR
 ) -> GemmConfig | None:
     """The tuned entry for M rows of an [N, K] weight on this device's GPU, nearest in ratio to a tuned count;
-    None without a table entry for (N, K), or for more than twice the largest tuned count."""
+    None without a table entry for (N, K), or outside half the smallest to twice the largest tuned count."""
     if device.type != "cuda":
         return None
     entries = _table(table_path(_device_name(device.index or 0), directory)).get(table_key(n, k))
-    if not entries or m > 2 * max(entries):
+    if not entries or not min(entries) / 2 <= m <= 2 * max(entries):
         return None
     return entries[min(entries, key=lambda t: (max(t, m) / max(1, min(t, m)), t))]

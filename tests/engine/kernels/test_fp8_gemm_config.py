@@ -30,7 +30,8 @@ def test_nearest_tuned_count_in_ratio(table):
     def pick(m, n=2048, k=4096):
         return fp8_config.tuned_config(m, n, k, CUDA, table)
 
-    assert pick(2) == pick(16) == pick(64) == GemmConfig(16, 32, 4, 3)  # 64 / 16 < 512 / 64
+    assert pick(8) == pick(16) == pick(64) == GemmConfig(16, 32, 4, 3)  # 64 / 16 < 512 / 64
+    assert pick(7) is None  # below half the smallest tuned count: the rules
     assert pick(128) == pick(1024) == GemmConfig(64, 128, 8, 4)
     assert pick(1025) is None  # beyond twice the largest tuned count: the rules
     assert pick(16, n=4096) is None  # another shape
