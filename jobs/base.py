@@ -1,8 +1,8 @@
 """What every job kind shares: documents, engine requests, results, and the `JobKind` contract.
 
 A worker drives a kind per shard: `requests(doc, model)` for each document (a `DocumentError` fails that
-document alone, recorded with `failure(error)`), one `engine.generate` over all requests of the shard, then
-`result(doc, outputs)` with each document's outputs in request order.
+document alone, recorded with `failure(error)`), every request of the shard submitted to the engine
+(`engine.submit`), then `result(doc, outputs)` with each document's outputs in request order.
 
 Reasons are content-free by construction: a `DocumentResult.error` (stored in clear, in the audit log too)
 is built from codes, JSON paths, offsets, sizes and counts only; the full message, which may quote the

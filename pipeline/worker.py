@@ -109,7 +109,7 @@ class WorkerRuntime:
         self._load_lock = threading.Lock()
         self._active = 0
         self._active_lock = threading.Lock()
-        self._engine_seconds = threading.local()  # time inside engine.generate, per shard thread
+        self._engine_seconds = threading.local()  # time waiting on the engine's futures, per shard thread
         # (job, digest of manifest + signature + sealed params + client key) -> verified manifest, its
         # document hashes and the job's opened parameters
         self._verified: dict[tuple[str, str], tuple[dict, dict[str, str], dict]] = {}

@@ -9,7 +9,7 @@ dispatch.register("dequantize_block_fp8", torch=reference.dequantize_block_fp8)
 dispatch.register(
     "quantize_fp8_per_token_group",
     torch=reference.quantize_fp8_per_token_group,
-    triton="engine.kernels.fp8.triton:quantize_fp8_per_token_group",
+    triton="engine.kernels.fp8.quant:quantize_fp8_per_token_group",
 )
 dispatch.register(
     "fp8_block_linear",

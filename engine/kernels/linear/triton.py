@@ -33,7 +33,7 @@ splits come from the shapes alone, so a call can be captured in a CUDA graph.
 
 FP8 (`fp8_linear`, W8A8 as `fp8.reference.fp8_block_linear`): e4m3 weights with one fp32 scale per (bn rows,
 bk channels) block. A K group is one scale block (GROUP = bk, BLOCK_C its next power of two, masked); each
-x row's group is quantised inline with `fp8.triton.quantize_rows` (as `quantize_fp8_per_token_group`), its
+x row's group is quantised inline with `fp8.quant.quantize_rows` (as `quantize_fp8_per_token_group`), its
 exact e4m3 products summed in fp32, then scaled by x_scale * w_scale[n // bn, kb]. Any bn and bk work.
 """
 
@@ -49,8 +49,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels import dispatch
+from engine.kernels.fp8.quant import quantize_fp8_per_token_group, quantize_rows
 from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX
-from engine.kernels.fp8.triton import quantize_fp8_per_token_group, quantize_rows
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
 MAX_ROWS = 8  # token rows up to which `linear` takes this kernel

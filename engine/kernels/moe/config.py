@@ -4,7 +4,7 @@ shape rules.
 
 A table maps `table_key(...)` (expert count, hidden and intermediate sizes, routed top-k, dtype) to entries
 keyed by token count; a batch takes the entry of the nearest tuned token count, up to twice the largest
-(larger batches, prefill chunks, take the shape rules).
+(beyond twice the largest tuned count, the shape rules).
 """
 
 from __future__ import annotations
@@ -81,9 +81,9 @@ def tuned_config(
     num_tokens: int, key: str, device: torch.device, directory: Path = CONFIG_DIR
 ) -> ExpertsConfig | None:
     """The tuned entry nearest `num_tokens` for `key` on this device's GPU; None without a table, or for more
-    than twice the largest tuned token count: the table is tuned on decode-sized batches (up to 256 tokens),
-    and its tiles (BLOCK_M 16) on prefill chunks of 8,192 tokens cost (c) a third of its rate on an H200
-    (34.0k tok/s against 51.8k with the shape rules of `choose_config`)."""
+    than twice the largest tuned token count (the H200 table covers 1 to 16,384 tokens): far from any tuned
+    count an entry's tiles can cost much, as decode tiles (BLOCK_M 16) did on prefill chunks of 8,192 tokens
+    when the table stopped at 256 (a third of the rate of `choose_config`'s shape rules on an H200)."""
     if device.type != "cuda":
         return None
     entries = _table(table_path(_device_name(device.index or 0), directory)).get(key)

@@ -1,14 +1,14 @@
 """Triton FP8 experts: the fused MoE's grouped GEMMs on block-FP8 (e4m3) expert weights, W8A8.
 
 The same three steps as `triton.fused_experts` (align, gate/up GEMM with the SwiGLU epilogue, down GEMM with
-the routing weight, combine; align and combine are its kernels), with BLOCK_K = bk, one activation scale group
-per K step. The activations are quantised once, before each GEMM, by `fp8.triton.quantize_fp8_per_token_group`
-(x per token, act per (token, slot) pair; per row and bk channels, amax / 448): each K step then loads an e4m3
-tile [BLOCK_M, bk] (x rows gathered by token, or act rows by pair) and its scales [BLOCK_M], takes the e4m3
-`tl.dot` with the weight tile [bk, BLOCK_N] and adds it to the fp32 accumulator times x_scale[m] *
-w_scale[n // bn]. Quantising inside the GEMMs instead (as an earlier version did) repeats the quantiser
-for every N tile of the same rows (16 times per tile at Qwen3.5's shapes with 32- and 128-wide N tiles),
-and FP8 (b, 64) ran at 1,570 tok/s against bf16's 3,349 on an H200.
+the routing weight, combine; align and combine are the same kernels, `moe.align` and `moe.combine`), with
+BLOCK_K = bk, one activation scale group per K step. The activations are quantised once, before each GEMM, by
+`fp8.quant.quantize_fp8_per_token_group` (x per token, act per (token, slot) pair; per row and bk channels,
+amax / 448): each K step then loads an e4m3 tile [BLOCK_M, bk] (x rows gathered by token, or act rows by
+pair) and its scales [BLOCK_M], takes the e4m3 `tl.dot` with the weight tile [bk, BLOCK_N] and adds it to the
+fp32 accumulator times x_scale[m] * w_scale[n // bn]. Quantising inside the GEMMs instead (as an earlier
+version did) repeats the quantiser for every N tile of the same rows (16 times per tile at Qwen3.5's shapes
+with 32- and 128-wide N tiles), and FP8 (b, 64) ran at 1,570 tok/s against bf16's 3,349 on an H200.
 
 Scales: w13_scale [E, 2 * ceil(I/bn), ceil(H/bk)] holds the gate half's row blocks, then the up half's (up
 row n uses row ceil(I/bn) + n // bn), which is the stacked [2I, H] block scale when bn divides I; w2_scale
@@ -24,11 +24,11 @@ import triton
 import triton.language as tl
 
 from engine.kernels import dispatch
-from engine.kernels.fp8.triton import _has_fp8_dot, quantize_fp8_per_token_group
+from engine.kernels.fp8.quant import has_fp8_dot, quantize_fp8_per_token_group
 from engine.kernels.moe import gemv, reference
 from engine.kernels.moe.align import align_block_size
+from engine.kernels.moe.combine import combine
 from engine.kernels.moe.config import ExpertsConfig, GemmTiles, choose_config, table_key, tuned_config
-from engine.kernels.moe.triton import combine
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -220,7 +220,7 @@ def fused_experts(
     sorted_pairs, block_experts, block_rows = align_block_size(ids, num_experts, config.block_m)
     num_blocks = block_experts.numel()
     table = (sorted_pairs, block_experts, block_rows)
-    common = dict(NUM_SLOTS=slots, BLOCK_K=bk, USE_FP8_DOT=_has_fp8_dot(x.device))
+    common = dict(NUM_SLOTS=slots, BLOCK_K=bk, USE_FP8_DOT=has_fp8_dot(x.device))
 
     xq, xs = quantize_fp8_per_token_group(x, bk)  # [T, H] e4m3, [T, ceil(H/bk)] fp32
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # [T*S, I]

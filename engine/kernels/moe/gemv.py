@@ -7,7 +7,7 @@ M = 1 products are multiply + sum in fp32 on the CUDA cores, which at this size 
 weight bytes they consume:
   1. gate_up, grid (pair, I tile of BLOCK_N):  act[pair] = silu(x[token] . gate rows) * (x[token] . up rows)
   2. down,    grid (pair, H tile of BLOCK_N):  part[pair] = weight[pair] * (act[pair] . w2[e] rows), fp32
-  3. `triton.combine`:                         out[token] = sum of its slots' parts in slot order (+ an FP8
+  3. `combine.combine`:                        out[token] = sum of its slots' parts in slot order (+ an FP8
      shared expert's shared_gate * shared_out)
 At T = 1 with the real shapes (I 512, H 2048) that is 9 x 64 gate_up and 9 x 128 down programs (several per
 SM of an H200's 132), each loading whole 1 KB runs of weight rows per step (`GemvTiles.k_bytes`): 16 KB per
@@ -24,7 +24,7 @@ all pairs: pairs of the same expert (the shared expert of every token, a routed 
 same rows at about the same time, mostly from L2.
 
 FP8 (`experts_fp8`): e4m3 weights with block scales; the activation (x, then act rounded to x's dtype) is
-quantised per token and K group inside each program with `fp8.triton.quantize_rows` (as
+quantised per token and K group inside each program with `fp8.quant.quantize_rows` (as
 `fp8.reference.quantize_fp8_per_token_group`), and each K group's e4m3 products sum exactly in fp32 before
 the x_scale * w_scale multiply: W8A8 as `fp8.reference.fp8_block_linear`.
 Everything is chosen from shapes, so the three launches can be captured in a CUDA graph.
@@ -39,10 +39,10 @@ import triton
 import triton.language as tl
 
 from engine.kernels import dispatch
+from engine.kernels.fp8.quant import quantize_rows
 from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX
-from engine.kernels.fp8.triton import quantize_rows
 from engine.kernels.moe import reference
-from engine.kernels.moe.triton import _expert, combine
+from engine.kernels.moe.combine import combine, expert_rows
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
 # Pairs (T * S) up to which the dispatcher prefers this path. Each pair re-reads its expert, where the
@@ -131,7 +131,7 @@ def _gate_up_kernel(
     pid_n = tl.program_id(1)
     token = (pair // NUM_SLOTS).to(tl.int64)
     expert = tl.load(ids_ptr + token * stride_it + (pair % NUM_SLOTS) * stride_is)
-    w_ptr, stride_n, inter_e = _expert(
+    w_ptr, stride_n, inter_e = expert_rows(
         w13_ptr, ws13_ptr, expert, num_experts, stride_we, stride_wn, stride_sn, inter, shared_inter
     )
     if pid_n * BLOCK_N >= inter_e:  # the N grid covers max(I, Is)
@@ -220,7 +220,7 @@ def _down_kernel(
     pid_n = tl.program_id(1)
     token, slot = pair // NUM_SLOTS, pair % NUM_SLOTS
     expert = tl.load(ids_ptr + token * stride_it + slot * stride_is)
-    w_ptr, stride_n, inter_e = _expert(
+    w_ptr, stride_n, inter_e = expert_rows(
         w2_ptr, ws2_ptr, expert, num_experts, stride_we, stride_wh, stride_sh, inter, shared_inter
     )
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

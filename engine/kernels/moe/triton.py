@@ -8,7 +8,7 @@ tensors: it is one more slot of every token, weighted by sigmoid(its gate logit)
   2. down GEMM:    part[pair] = weight[pair] * (act[pair] @ w2[e].T)                        -> [T*S, H]
      (optionally split over I into fp32 partial sums, `ExpertsConfig.split_k`)
   3. combine:      out[token] = sum over its slots (and splits) of part, in fp32            -> [T, H]
-     (plus, for an FP8 shared expert run outside, shared_gate * shared_out)
+     (plus, for an FP8 shared expert run outside, shared_gate * shared_out; `moe.combine`)
 Four launches in all (align takes two above 256 pairs); each choice comes from shapes, none from data, so
 all of it can be captured in a CUDA graph. See `config.choose_config` for the blocks.
 """
@@ -20,8 +20,9 @@ import triton
 import triton.language as tl
 
 from engine.kernels import dispatch
-from engine.kernels.moe import reference
+from engine.kernels.moe import gemv, reference
 from engine.kernels.moe.align import _align_kernel, _count_kernel, align_block_size  # noqa: F401 (sm_90 test)
+from engine.kernels.moe.combine import combine, expert_rows
 from engine.kernels.moe.config import ExpertsConfig, GemmTiles, choose_config, table_key, tuned_config
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
@@ -113,15 +114,6 @@ def route(
 
 
 @triton.jit
-def _expert(w_ptr, ws_ptr, expert, num_experts, stride_we, stride_wn, stride_sn, inter, shared_inter):
-    """(base pointer, row stride, intermediate size) of routed expert `expert`, or of the shared expert
-    (`ws_ptr`) when expert == num_experts. Scalar selects keep one code path; the K strides are equal."""
-    is_shared = expert == num_experts
-    base = tl.where(is_shared, ws_ptr, w_ptr + expert.to(tl.int64) * stride_we)
-    return base, tl.where(is_shared, stride_sn, stride_wn), tl.where(is_shared, shared_inter, inter)
-
-
-@triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, H]
     w13_ptr,  # [E, 2I, H]: gate rows, then up rows
@@ -155,7 +147,7 @@ def _gate_up_kernel(
     expert = tl.load(block_experts_ptr + pid_m)
     if expert < 0:
         return
-    w_ptr, stride_n, inter_e = _expert(
+    w_ptr, stride_n, inter_e = expert_rows(
         w13_ptr, ws13_ptr, expert, num_experts, stride_we, stride_wn, stride_sn, inter, shared_inter
     )
     if pid_n * BLOCK_N >= inter_e:  # the N grid covers max(I, Is)
@@ -229,7 +221,7 @@ def _down_kernel(
     expert = tl.load(block_experts_ptr + pid_m)
     if expert < 0:
         return
-    w_ptr, stride_n, inter_e = _expert(
+    w_ptr, stride_n, inter_e = expert_rows(
         w2_ptr, ws2_ptr, expert, num_experts, stride_we, stride_wh, stride_sh, inter, shared_inter
     )
     offs_m = tl.arange(0, BLOCK_M)
@@ -260,42 +252,6 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(part_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def _combine_kernel(
-    part_ptr,  # [PARTS, T*S, H]
-    extra_ptr,  # [T, H] with HAS_EXTRA: a shared expert's output computed elsewhere
-    gate_ptr,  # [T] its weight, any float dtype and stride
-    out_ptr,  # [T, H] out
-    hidden,
-    stride_ps,
-    stride_pp,
-    stride_ph,
-    stride_et,
-    stride_eh,
-    stride_g,
-    stride_ot,
-    stride_oh,
-    NUM_SLOTS: tl.constexpr,
-    PARTS: tl.constexpr,
-    HAS_EXTRA: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
-):
-    pdl_wait(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = offs < hidden
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for s in tl.static_range(NUM_SLOTS):  # slot order, shared expert last: deterministic
-        for k in tl.static_range(PARTS):
-            ptrs = part_ptr + k * stride_ps + (token * NUM_SLOTS + s) * stride_pp + offs * stride_ph
-            acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_EXTRA:
-        extra = tl.load(extra_ptr + token * stride_et + offs * stride_eh, mask=mask, other=0.0)
-        acc += tl.load(gate_ptr + token * stride_g).to(tl.float32) * extra.to(tl.float32)
-    tl.store(out_ptr + token * stride_ot + offs * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def _blocks(block_m: int, tiles: GemmTiles) -> dict:
     return dict(
         BLOCK_M=block_m,
@@ -304,29 +260,6 @@ def _blocks(block_m: int, tiles: GemmTiles) -> dict:
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-
-
-def combine(
-    part: torch.Tensor,
-    t: int,
-    slots: int,
-    dtype: torch.dtype,
-    shared_out: torch.Tensor | None = None,
-    shared_gate: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """out [T, H] in `dtype` = each token's sum over its slots and the K splits of part [P, T*S, H], in
-    slot order and fp32 (+ shared_gate [T] * shared_out [T, H]): the last launch of every experts path."""
-    parts, _, hidden = part.shape
-    out = torch.empty(t, hidden, dtype=dtype, device=part.device)
-    has_extra = shared_out is not None
-    extra, gate = (shared_out, shared_gate) if has_extra else (out, out[:, 0])  # any pointers do
-    block_h = min(512, triton.next_power_of_2(hidden))
-    _combine_kernel[(t, triton.cdiv(hidden, block_h))](
-        part, extra, gate, out, hidden, part.stride(0), part.stride(1), part.stride(2),
-        extra.stride(0), extra.stride(1), gate.stride(0), out.stride(0), out.stride(1),
-        NUM_SLOTS=slots, PARTS=parts, HAS_EXTRA=has_extra, BLOCK_H=block_h, num_warps=4, **pdl_launch(),
-    )  # fmt: skip
-    return out
 
 
 def fused_experts(
@@ -407,8 +340,6 @@ def experts(
         )
         dispatch.fallback("moe_experts", reason, expected=reason == dispatch.EMPTY, x=x, w13=w13, ids=ids)
         return reference.experts(x, w13, w2, weights, ids, *shared)
-    from engine.kernels.moe import gemv  # imports this module
-
     if ids.numel() <= gemv.MAX_PAIRS:  # a few tokens: stream each pair's expert rows, no align
         dispatch.choose("moe_experts", "triton-gemv")
         return gemv.experts(x, w13, w2, weights, ids, *shared)

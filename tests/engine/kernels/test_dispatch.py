@@ -294,8 +294,8 @@ def test_fp8_dot_before_sm89_is_logged_once(caplog, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with caplog.at_level(logging.INFO, logger=LOGGER):
         # Uncached: the real function keeps one answer per device for the process.
-        assert not fp8_triton._has_fp8_dot.__wrapped__(torch.device("cuda", 0))
-        assert not fp8_triton._has_fp8_dot.__wrapped__(torch.device("cuda", 0))
+        assert not fp8_triton.has_fp8_dot.__wrapped__(torch.device("cuda", 0))
+        assert not fp8_triton.has_fp8_dot.__wrapped__(torch.device("cuda", 0))
     (record,) = dispatch_records(caplog)
     assert record.levelno == logging.WARNING
     assert "fp8_dot falls back to fp16" in record.getMessage() and "sm_89" in record.getMessage()

@@ -83,7 +83,7 @@ def test_quantize_keeps_leading_dims():
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32), (torch.float16, FP16)])
 @pytest.mark.parametrize("m", [1, 3, 63, 65, 130])
 def test_linear_matches_reference(m, dtype, tol, use_fp8_dot, monkeypatch):
-    monkeypatch.setattr(fp8_triton, "_has_fp8_dot", lambda device: use_fp8_dot)
+    monkeypatch.setattr(fp8_triton, "has_fp8_dot", lambda device: use_fp8_dot)
     n, k = (200, 136) if m % 2 else (144, 264)
     x = activations(m, k, dtype, seed=m)
     w, scale = block_weight(n, k, seed=m + 1)
@@ -149,7 +149,7 @@ def test_real_shapes_bf16_on_gpu(name, m):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fp16_dot_path_on_gpu(monkeypatch):
     # The path for GPUs without e4m3 tensor cores (before sm_89), forced on this one.
-    monkeypatch.setattr(fp8_triton, "_has_fp8_dot", lambda device: False)
+    monkeypatch.setattr(fp8_triton, "has_fp8_dot", lambda device: False)
     n, k = REAL["in_proj_qkvz"]
     x = activations(256, k, torch.bfloat16, device="cuda")
     w, scale = block_weight(n, k, device="cuda")

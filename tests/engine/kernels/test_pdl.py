@@ -107,5 +107,5 @@ def test_the_decode_chain_is_covered():
         "moe/gemv:_gate_up_kernel",
         "moe/gemv:_down_kernel",
         "moe/triton:_route_kernel",
-        "moe/triton:_combine_kernel",
+        "moe/combine:_combine_kernel",
     } <= covered
