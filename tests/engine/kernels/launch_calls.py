@@ -1,0 +1,265 @@
+"""The kernel calls whose launches `launches.record` compiles: every kernel op's entry point at
+Qwen3.5-35B-A3B's shapes (`engine.bench.presets`), as the model calls it (the same views of projection
+outputs, the same dtypes), over decode, MTP verify and prefill batches; fp32 inputs beside bf16 ones; and a
+few launcher options that the benchmarks' sweeps and the tuned table may pick (explicit tiles, K splits).
+
+Tensors are made with `device="cuda"`: under `launches.simulated_gpu` they are meta tensors, so a call
+costs no memory and reads no data (no entry point here needs any).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from engine import kernels
+from engine.bench.settings import BLOCK_SIZE as KV_BLOCK
+from engine.kernels.layout import SHORT_QUERY, SeqLayout
+
+BF16, FP32, FP8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
+TOKENS = (1, 8, 64, 512, 4096)  # decode, verify-sized, small and large prefill batches
+FP8_BLOCK = (128, 128)  # the FP8 checkpoints' weight scale blocks
+
+
+@functools.cache
+def qwen():
+    """Qwen3.5-35B-A3B's geometry as the engine parses it."""
+    from engine.bench.presets import QWEN35_35B_A3B
+    from engine.config import config_from_dict
+
+    return config_from_dict(QWEN35_35B_A3B)
+
+
+def empty(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="cuda")
+
+
+def layout(query_lens, context_lens=None, state_out: bool = False) -> SeqLayout:
+    """Sequences with these new and cached token counts, in their own KV blocks and state slots; with
+    `state_out`, every short sequence keeps its per-token states (an MTP verify step)."""
+    context_lens = context_lens or (0,) * len(query_lens)
+    tables, first = [], 0
+    for n, c in zip(query_lens, context_lens, strict=True):
+        blocks = -(-(n + c) // KV_BLOCK)
+        tables.append(tuple(range(first, first + blocks)))
+        first += blocks
+    slots = tuple(range(len(query_lens)))
+    outs = None
+    if state_out:
+        outs, free = [], len(query_lens)
+        for n in query_lens:
+            outs.append(tuple(range(free, free + n)) if n <= SHORT_QUERY else ())
+            free += n
+        outs = tuple(outs)
+    return SeqLayout(tuple(query_lens), tuple(context_lens), slots, tuple(tables), KV_BLOCK, outs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Full attention: the qkv_proj output [T, q+gate | k | v], q/k norms + rotary, paged attention, output gate.
+
+
+def qkv_proj_out(t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's views of qkv_proj's output: qg [T, Hq, 2D], k and v [T, Hkv, D]."""
+    c = qwen()
+    hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    qg, k, v = empty(t, hq * 2 * d + 2 * hkv * d, dtype=dtype).split((hq * 2 * d, hkv * d, hkv * d), -1)
+    return qg.view(t, hq, 2 * d), k.view(t, hkv, d), v.view(t, hkv, d)
+
+
+def attention_call(dtype: torch.dtype, lay: SeqLayout) -> None:
+    c = qwen()
+    t = lay.num_tokens
+    _, _, v = qkv_proj_out(t, dtype)
+    q = empty(t, c.num_attention_heads, c.head_dim, dtype=dtype)  # qk_norm_rotary's contiguous outputs
+    k = empty(t, c.num_key_value_heads, c.head_dim, dtype=dtype)
+    blocks = max(b for table in lay.block_tables for b in table) + 1
+    cache = [empty(blocks, KV_BLOCK, c.num_key_value_heads, c.head_dim, dtype=dtype) for _ in "kv"]
+    kernels.attention(q, k, v, *cache, lay, c.head_dim**-0.5)
+
+
+def attention() -> None:
+    # Short path: 1, 4 and 8 new tokens (decode, MTP verify: BLOCK_M 16, 32, 64), one sequence with few
+    # cached keys (one program per kv head) or enough to split them (33 splits on an H200).
+    for n in (1, 4, 8):
+        for ctx in (100, 4224):
+            attention_call(BF16, layout((n,), (ctx,)))
+    # fp32 (CPU-sized runs): three only, as ieee dots take 4-5 s each to compile.
+    attention_call(FP32, layout((1,), (100,)))
+    attention_call(FP32, layout((8,), (4224,)))
+    # Splits merged over other tiles: many sequences (2 splits on an H200), a very long context (128), a
+    # context just long enough to split (5).
+    attention_call(BF16, layout((1,) * 132, (600,) * 132))
+    attention_call(BF16, layout((4,), (20000,)))
+    attention_call(FP32, layout((1,), (700,)))
+    # Long path (prefill chunks) beside a decode.
+    for dtype in (BF16, FP32):
+        attention_call(dtype, layout((100, 1), (0, 50)))
+
+
+def qk_norm_rotary() -> None:
+    c = qwen()
+    for dtype in (BF16, FP32):
+        t = 8
+        qg, k, _ = qkv_proj_out(t, dtype)
+        cos, sin = (empty(t, c.rope.rotary_dim, dtype=FP32) for _ in "cs")
+        weights = [empty(c.head_dim, dtype=dtype) for _ in "qk"]
+        kernels.qk_norm_rotary(qg[..., : c.head_dim], k, *weights, cos, sin, c.rms_norm_eps)
+
+
+def rotary() -> None:
+    c = qwen()
+    rd = c.rope.rotary_dim
+    for t in TOKENS:
+        kernels.rotary_cos_sin(empty(t, dtype=torch.int64), empty(rd // 2, dtype=FP32), 1.0)
+    hq, hkv = c.num_attention_heads, c.num_key_value_heads
+    for dtype, heads in ((BF16, hq), (BF16, hkv), (FP32, hq)):
+        cos, sin = (empty(8, rd, dtype=FP32) for _ in "cs")
+        kernels.apply_rotary(empty(8, heads, c.head_dim, dtype=dtype), cos, sin)
+
+
+def sigmoid_gate() -> None:
+    c = qwen()
+    for dtype in (BF16, FP32):
+        qg, _, _ = qkv_proj_out(8, dtype)
+        out = empty(8, c.num_attention_heads, c.head_dim, dtype=dtype)
+        kernels.sigmoid_gate(out, qg[..., c.head_dim :])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gated DeltaNet: the fused input projection [T, q | k | v | z | b | a], conv, gates, delta rule, gated norm.
+
+
+def deltanet_proj_out(t: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """qkv [T, conv_dim], z [T, value_dim], b and a [T, Hv]: column views of the fused projection."""
+    c = qwen()
+    sizes = (c.linear_conv_dim, c.linear_value_dim, c.linear_num_value_heads, c.linear_num_value_heads)
+    return empty(t, sum(sizes), dtype=dtype).split(sizes, -1)
+
+
+def deltanet_state(slots: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """conv [S, conv_dim, K-1] in the model dtype, recurrent [S, Hv, dk, dv] fp32."""
+    c = qwen()
+    conv = empty(slots, c.linear_conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype)
+    hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    return conv, empty(slots, hv, dk, dv, dtype=FP32)
+
+
+def conv1d() -> None:
+    c = qwen()
+    weight = empty(c.linear_conv_dim, c.linear_conv_kernel_dim)
+    # Token tiles from the longest sequence: 9 short ones (the model takes this op, not deltanet_step, for
+    # more than 8 sequences or longer ones), one long; per-token states (verify), also beside a long one.
+    batches = [((n,) * 9, keep) for n in (1, 2, 4, 8) for keep in (False, True)]
+    batches += [((16,), False), ((100,), False), ((4, 16), True), ((4, 100), True)]
+    for query_lens, keep in batches:
+        lay = layout(query_lens, (10,) * len(query_lens), state_out=keep)
+        qkv = deltanet_proj_out(lay.num_tokens, BF16)[0]
+        conv = deltanet_state(lay.num_tokens + len(query_lens), BF16)[0]
+        kernels.causal_conv1d(qkv, weight, conv, lay)
+    lay = layout((1,) * 16, (10,) * 16)
+    kernels.causal_conv1d(deltanet_proj_out(16, BF16)[0], weight, deltanet_state(16, BF16)[0], lay, False)
+
+
+def deltanet_gate() -> None:
+    hv = qwen().linear_num_value_heads
+    for dtype, tokens in ((BF16, TOKENS), (FP32, (64,))):
+        for t in tokens:
+            _, _, b, a = deltanet_proj_out(t, dtype)
+            kernels.deltanet_gate(a, b, empty(hv, dtype=dtype), empty(hv, dtype=dtype))
+
+
+def deltanet_step_call(
+    dtype: torch.dtype, seqs: int, n: int, v_splits: int | None = None, gate_dtype: torch.dtype | None = None
+) -> None:
+    c = qwen()
+    lay = layout((n,) * seqs, (10,) * seqs, state_out=n > 1)
+    qkv, z, b, a = deltanet_proj_out(lay.num_tokens, dtype)
+    conv, state = deltanet_state(lay.num_tokens + seqs, dtype)
+    hv = c.linear_num_value_heads
+    weights = (empty(c.linear_conv_dim, c.linear_conv_kernel_dim, dtype=dtype), conv)
+    gates = (empty(hv, dtype=gate_dtype or dtype), empty(hv, dtype=gate_dtype or dtype))
+    args = (qkv, z, a, b, *weights, *gates, state, empty(c.linear_value_head_dim, dtype=dtype))
+    if v_splits is None:
+        kernels.deltanet_step(*args, c.rms_norm_eps, lay)
+    else:  # the launcher's own option (and ENCLAVE_DELTANET_V_SPLITS's)
+        from engine.kernels.deltanet_step import triton
+
+        triton.deltanet_step(*args, c.rms_norm_eps, lay, v_splits=v_splits)
+
+
+def deltanet_step() -> None:
+    # 1-8 new tokens (decode, verify) of 1, 4 and 8 sequences: the dv tiles per head follow the batch size
+    # (on an H200 4, 2 and 1); more tiles through the launcher's option.
+    for seqs, n in ((1, 1), (1, 4), (4, 1), (8, 1), (8, 2), (8, 4), (8, 8)):
+        deltanet_step_call(BF16, seqs, n)
+    deltanet_step_call(BF16, 1, 1, v_splits=8)
+    deltanet_step_call(BF16, 8, 1, gate_dtype=FP32)  # A_log and dt_bias kept in fp32
+    for seqs in (1, 8):
+        deltanet_step_call(FP32, seqs, 4)
+
+
+def gated_delta_call(dtype: torch.dtype, lay: SeqLayout) -> None:
+    c = qwen()
+    t, hk, hv = lay.num_tokens, c.linear_num_key_heads, c.linear_num_value_heads
+    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+    q, k, v = empty(t, c.linear_conv_dim, dtype=dtype).split((hk * dk, hk * dk, hv * dv), -1)  # conv output
+    g, beta = empty(t, hv, dtype=FP32), empty(t, hv, dtype=dtype)
+    state = deltanet_state(t + lay.num_seqs, dtype)[1]
+    kernels.gated_delta_rule(q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv), g, beta, state, lay)
+
+
+def gated_delta() -> None:
+    # Recurrent: few sequences and many (other warps per program); per-token states (verify).
+    for seqs, n in ((1, 1), (16, 1), (1, 4), (16, 4)):
+        gated_delta_call(BF16, layout((n,) * seqs, (10,) * seqs, state_out=n > 1))
+    # Chunked (longer sequences): the state walk's dv tile follows their number (16, 32, 64 for 1-3).
+    for seqs in (1, 2, 3):
+        gated_delta_call(BF16, layout((100,) * seqs, (10,) * seqs))
+    gated_delta_call(FP32, layout((100,) * 3, (10,) * 3))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Norms, SwiGLU and sampling.
+
+
+def norm() -> None:
+    c = qwen()
+    h, eps = c.hidden_size, c.rms_norm_eps
+    for dtype, tokens in ((BF16, TOKENS), (FP32, (64,))):
+        for t in tokens:
+            kernels.rms_norm(empty(t, h, dtype=dtype), empty(h, dtype=dtype), eps)
+            kernels.add_rms_norm(
+                empty(t, h, dtype=dtype), empty(t, h, dtype=dtype), empty(h, dtype=dtype), eps
+            )
+    kernels.rms_norm(empty(64, h), empty(h), eps, zero_centered=False)
+    # q and k norms on their own (the model fuses them into qk_norm_rotary): 16 heads, or 2 at 1-8 tokens.
+    for t in (1, 2, 4, 8):
+        qg, k, _ = qkv_proj_out(t, BF16)
+        kernels.rms_norm(qg[..., : c.head_dim], empty(c.head_dim), eps)
+        kernels.rms_norm(k, empty(c.head_dim), eps)
+    # Gated: the delta rule's [T, Hv, dv] output, gated by z's view; the weight in the model dtype or fp32.
+    hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+    for dtype, w_dtype in ((BF16, BF16), (BF16, FP32), (FP32, FP32)):
+        z = deltanet_proj_out(64, dtype)[1].view(64, hv, dv)
+        kernels.gated_rms_norm(empty(64, hv, dv, dtype=dtype), z, empty(dv, dtype=w_dtype), eps)
+
+
+def swiglu() -> None:
+    from engine.kernels.swiglu import swiglu
+
+    for dtype in (BF16, FP32):
+        swiglu(empty(8, 2 * qwen().shared_expert_intermediate_size, dtype=dtype))
+
+
+def sampling() -> None:
+    # fp32 logits and the sampler's int64 top_k; bf16 logits and int32 top_k (the GPU test's).
+    v = qwen().vocab_size
+    for dtype, k_dtype in ((FP32, torch.int64), (BF16, torch.int32)):
+        b = 64
+        extra = (empty(b, dtype=k_dtype), empty(b, dtype=FP32), empty(b, v, dtype=FP32))
+        kernels.sample_filtered(empty(b, v, dtype=dtype), empty(b, dtype=FP32), *extra)
+
+
+CALLS = [attention, qk_norm_rotary, rotary, sigmoid_gate, conv1d, deltanet_gate, deltanet_step, gated_delta]
+CALLS += [norm, swiglu, sampling]
