@@ -26,6 +26,8 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
+from engine.options import EngineOptions, OptionError, OptionField
+
 MAX_TOML_BYTES = 64 << 10
 _CHECKED = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -72,41 +74,41 @@ class Limits(_Numbers):
     )
 
 
-@dataclass(frozen=True, config=_CHECKED)
-class EngineOptions(_Numbers):
-    """Options for `Engine.from_pretrained`, from `[engine]` of enclave.toml or ENCLAVE_<NAME>; those left
-    unset take the engine's defaults."""
+# enclave.toml's [engine] table: every flat option of `engine.options.EngineOptions` (its single source, with
+# its checks and docs) but the load options Settings holds at its top level (device, dtype). ENCLAVE_<NAME>
+# sets each too, except where the engine's own registry (engine/env.py) owns that variable: there it is the
+# engine's default for the option, and only the file's key sets the option itself.
+_ENGINE_TOP_LEVEL = ("device", "dtype")
 
-    max_num_seqs: int | None = setting(
-        "most sequences decoded together; unset: on CUDA what the cache budget affords (at most 1024), "
-        "else 64",
-        None,
-        ge=1,
-        le=4096,
-    )
-    max_num_batched_tokens: int | None = setting(
-        "most tokens in one engine step; unset: 8192", None, ge=1, le=1 << 20
-    )
-    num_speculative_tokens: int | None = setting(  # the engine's MAX_SPECULATIVE_TOKENS
-        "tokens drafted per step with the model's MTP head; unset: 0 (no drafts)", None, ge=0, le=4
-    )
-    kv_cache_memory: int | None = setting(  # bytes: 1 MiB .. 4 TiB
-        "bytes for the DeltaNet state and the KV cache; unset: on a GPU 90% of free memory",
-        None,
-        ge=1 << 20,
-        le=1 << 42,
-    )
-    quantization: Literal["none", "fp8"] | None = setting(
-        "`fp8`: dense projections and routed experts as block-FP8 GEMMs; unset: `none`", None
-    )
 
-    @field_validator("quantization", mode="before")
-    @classmethod
-    def _lower(cls, value: Any) -> Any:
-        return value.strip().lower() if isinstance(value, str) else value
+def engine_fields() -> tuple[OptionField, ...]:
+    """The [engine] table's keys: the engine's flat options (name, values, default, doc)."""
+    return tuple(f for f in EngineOptions.flat_fields() if f.name not in _ENGINE_TOP_LEVEL)
 
-    def as_kwargs(self) -> dict[str, int | str]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+def _engine_env_owned() -> frozenset[str]:
+    """[engine] keys whose ENCLAVE_<NAME> variable engine/env.py reads (the engine's default for them)."""
+    from engine.env import VARIABLES  # no torch: engine/env.py imports os only
+
+    return frozenset(v.field for v in VARIABLES) & {f.name for f in engine_fields()}
+
+
+def _engine_options(table: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """The [engine] options given in the file or the environment, checked by `engine.options` (a refusal is
+    one SettingsError line naming the key or the variable), as keyword arguments for `from_pretrained`."""
+    owned = _engine_env_owned()
+    values = {name: table[name] for name in (f.name for f in engine_fields()) if name in table}
+    sources = {name: f"enclave.toml [engine] {name}" for name in values}
+    for f in engine_fields():
+        var = "ENCLAVE_" + f.name.upper()
+        if f.name not in owned and env.get(var):
+            values[f.name], sources[f.name] = env[var], var
+    try:
+        options = EngineOptions.from_flat(values, lambda name: sources.get(name, name))
+    except OptionError as exc:
+        raise SettingsError(str(exc).splitlines()[0]) from None
+    flat = options.to_flat()
+    return {name: flat[name] for name in values}
 
 
 @dataclass(frozen=True, config=_CHECKED)
@@ -145,8 +147,8 @@ class Settings:
         max_length=64,
     )
     limits: Limits = Field(default_factory=Limits)
-    # EngineOptions.as_kwargs(): passed to Engine.from_pretrained as is
-    engine: dict[str, int | str] = Field(default_factory=dict)
+    # the [engine] options given, by flat name: passed to Engine.from_pretrained as is
+    engine: dict[str, Any] = Field(default_factory=dict)
     # The key passphrases come from the environment only (never enclave.toml) and are never shown.
     service_passphrase: str | None = setting(
         "passphrase of the home's `service/` key files (init and workers); unset: unprotected keys",
@@ -200,7 +202,7 @@ class Settings:
 # Settings fields from enclave.toml's top level or ENCLAVE_<NAME>.
 _TOP = ("database_url", "broker_url", "model", "device", "dtype")
 # enclave.toml's tables, each a class whose fields are its keys (and ENCLAVE_<KEY>).
-_TABLES: dict[str, type] = {"limits": Limits, "engine": EngineOptions}
+_TABLES: dict[str, type] = {"limits": Limits}  # and [engine]: engine_fields()
 # The variables holding the passphrases of a home's `service/` and `client/` key files.
 PASSPHRASE_ENV = {"service": "ENCLAVE_SERVICE_PASSPHRASE", "client": "ENCLAVE_CLIENT_PASSPHRASE"}
 # Settings fields read from the environment only: field -> variable.
@@ -226,9 +228,7 @@ def load_settings(env: Mapping[str, str] | None = None, home: Path | None = None
     home = home_of(home, env)
     file = _read_toml(home / "enclave.toml")
     limits = _checked(Limits, *_values(file.get("limits", {}), _names(Limits), env, "[limits] "))
-    engine = _checked(
-        EngineOptions, *_values(file.get("engine", {}), _names(EngineOptions), env, "[engine] ")
-    )
+    engine = _engine_options(file.get("engine", {}), env)
     values, sources = _values(file, _TOP, env)
     values = {
         "database_url": f"sqlite:///{home / 'enclave.db'}",
@@ -241,7 +241,7 @@ def load_settings(env: Mapping[str, str] | None = None, home: Path | None = None
     for name in ("model", "migrations"):
         if isinstance(values.get(name), str):
             values[name] = Path(values[name]).expanduser()
-    values |= {"home": home, "limits": limits, "engine": engine.as_kwargs()}
+    values |= {"home": home, "limits": limits, "engine": engine}
     return _checked(Settings, values, sources)
 
 
@@ -327,12 +327,16 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise SettingsError(f"cannot read {path}: {reason}") from None
     except RecursionError:
         raise SettingsError(f"cannot read {path}: nested too deeply") from None
-    known = [*_TOP, *(f"[{t}]" for t in _TABLES)]
+    tables = {
+        **{t: _names(cls) for t, cls in _TABLES.items()},
+        "engine": tuple(f.name for f in engine_fields()),
+    }
+    known = [*_TOP, *(f"[{t}]" for t in tables)]
     for key, value in data.items():
-        if key in _TABLES:
+        if key in tables:
             if not isinstance(value, dict):
                 raise SettingsError(f"enclave.toml: {key} must be a table ([{key}])")
-            names = _names(_TABLES[key])
+            names = tables[key]
             if unknown := sorted(set(value) - set(names)):
                 raise SettingsError(
                     f"enclave.toml: unknown setting {unknown[0]!r} in [{key}] (known: {', '.join(names)})"
@@ -361,6 +365,12 @@ def variables() -> tuple[Variable, ...]:
     found += [_variable(Settings, name, name) for name in _TOP]
     for table, cls in _TABLES.items():
         found += [_variable(cls, name, f"[{table}] {name}") for name in _names(cls)]
+    owned = _engine_env_owned()
+    found += [
+        Variable("ENCLAVE_" + f.name.upper(), f"[engine] {f.name}", f.type, _engine_default(f), f.doc)
+        for f in engine_fields()
+        if f.name not in owned
+    ]
     found += [_variable(Settings, name, None) for name in _ENV_ONLY if name != "home"]
     return tuple(found)
 
@@ -371,6 +381,14 @@ def _variable(cls: type, name: str, key: str | None) -> Variable:
     if shown is None:
         shown = "unset" if info.is_required() or info.default is None else f"`{_plain(info.default)}`"
     return Variable(_variable_name(name), key, _expected(cls, name), str(shown), info.description or "")
+
+
+def _engine_default(f: OptionField) -> str:
+    return (
+        "unset"
+        if f.default is None
+        else f"`{_plain(f.default) if isinstance(f.default, float) else f.default}`"
+    )
 
 
 # How engine/env.py's kinds read in the table.
@@ -384,9 +402,11 @@ def settings_table() -> str:
     from engine.env import VARIABLES as ENGINE_VARIABLES  # imports torch: only when the table is wanted
 
     rows = [(v.name, f"`{v.key}`" if v.key else "", v.default, v.values, v.doc) for v in variables()]
+    owned = _engine_env_owned()
     for v in ENGINE_VARIABLES:
         values = ", ".join(v.choices) if v.kind == "choice" else _ENGINE_VALUES.get(v.kind, v.kind)
-        rows.append((v.name, "", f"`{v.default}`" if v.default else "unset", values, v.doc))
+        key = f"`[engine] {v.field}` (the option; the variable is its default)" if v.field in owned else ""
+        rows.append((v.name, key, f"`{v.default}`" if v.default else "unset", values, v.doc))
     lines = ["| variable | enclave.toml | default | values | meaning |", "|---|---|---|---|---|"]
     for name, *cells in rows:
         lines.append("| " + " | ".join([f"`{name}`", *(c.replace("|", "\\|") for c in cells)]) + " |")

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from pipeline.settings import EngineOptions, Limits, SettingsError, load_settings
+from engine.options import EngineOptions
+from pipeline.settings import Limits, SettingsError, engine_fields, load_settings
 
 BAD_NUMBERS = ["1e12", "nan", "inf", "-inf", "-1", "1e400", "abc", "", "0x10", "9" * 5000]
 # Every numeric setting: (variable, key in its enclave.toml table, smallest and largest accepted values).
@@ -19,7 +20,7 @@ NUMERIC = [
     ("ENCLAVE_MAX_NUM_SEQS", "engine", "max_num_seqs", 1, 4096),
     ("ENCLAVE_MAX_NUM_BATCHED_TOKENS", "engine", "max_num_batched_tokens", 1, 1 << 20),
     ("ENCLAVE_NUM_SPECULATIVE_TOKENS", "engine", "num_speculative_tokens", 0, 4),
-    ("ENCLAVE_KV_CACHE_MEMORY", "engine", "kv_cache_memory", 1 << 20, 1 << 42),
+    ("ENCLAVE_KV_CACHE_MEMORY", "engine", "kv_cache_memory", 1, 1 << 42),  # bytes: engine.options
 ]
 
 
@@ -111,7 +112,7 @@ def test_fractions_only_where_a_number_may_have_one(tmp_path):
         ('databse_url = "sqlite:///x"\n', "'databse_url' (known: database_url, broker_url"),
         ("[limit]\nlease_seconds = 5\n", "'limit'"),
         ("[limits]\nmax_attemps = 5\n", "'max_attemps' in [limits] (known: max_document_bytes, max_attempts"),
-        ("[engine]\nbeams = 4\n", "'beams' in [engine] (known: max_num_seqs"),
+        ("[engine]\nbeams = 4\n", "'beams' in [engine] (known: quantization, max_num_seqs"),
         ("limits = 3\n", "[limits]"),
     ],
 )
@@ -157,11 +158,23 @@ def test_bad_engine_options(tmp_path, table, needle):
     assert needle in refusal(tmp_path, toml=f"[engine]\n{table}\n")
 
 
-def test_speculative_bound_is_the_engines():
-    from engine.engine import MAX_SPECULATIVE_TOKENS
-
-    info = EngineOptions.__pydantic_fields__["num_speculative_tokens"]
-    assert [m.le for m in info.metadata if hasattr(m, "le")] == [MAX_SPECULATIVE_TOKENS]
+def test_engine_table_is_the_engines_options(tmp_path):
+    """[engine] takes every flat option of engine.options (the single source) but the top-level device and
+    dtype, and each reaches Engine.from_pretrained's keywords as the engine parses it."""
+    names = {f.name for f in EngineOptions.flat_fields()} - {"device", "dtype"}
+    assert {f.name for f in engine_fields()} == names
+    given = {
+        "max_num_seqs": 32, "max_num_batched_tokens": 4096, "max_model_len": 2048, "async_scheduling": False,
+        "kv_cache_memory": 1 << 30, "gpu_memory_utilization": 0.5, "block_size": 32, "max_prefixes": 2,
+        "cuda_graphs": False, "num_speculative_tokens": 2, "mtp_hidden": "raw", "quantization": "fp8",
+    }  # fmt: skip
+    assert set(given) == names
+    toml = "[engine]\n" + "".join(
+        f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}\n" for k, v in given.items()
+    )
+    toml = toml.replace("'", '"')
+    (tmp_path / "enclave.toml").write_text(toml)
+    assert load_settings({"ENCLAVE_HOME": str(tmp_path)}).engine == given
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -1, 1e12, True])
