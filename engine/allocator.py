@@ -72,6 +72,3 @@ class BlockAllocator:
             self._refs[b] -= 1
             if self._refs[b] == 0:
                 self._free.append(b)
-
-    def refcount(self, block: int) -> int:
-        return self._refs[block]

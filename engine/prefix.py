@@ -94,7 +94,3 @@ class PrefixCache:
             self.slots.free(victim.slot)
         self.blocks.free(victim.blocks)
         return True
-
-    def evict_all_idle(self) -> None:
-        while self.evict_one():
-            pass

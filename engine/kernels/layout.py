@@ -78,16 +78,6 @@ class SeqLayout:
         return tuple(offsets)
 
     @cached_property
-    def is_decode(self) -> bool:
-        """Every sequence adds exactly one token (the batched single-step path)."""
-        return all(n == 1 for n in self.query_lens)
-
-    @cached_property
-    def last_token_index(self) -> tuple[int, ...]:
-        """Index in the flat batch of each sequence's last new token."""
-        return tuple(end - 1 for end in self.cu_seqlens[1:])
-
-    @cached_property
     def short_seqs(self) -> tuple[int, ...]:
         """Sequences adding at most SHORT_QUERY tokens (batched together by the reference kernels)."""
         return tuple(i for i, n in enumerate(self.query_lens) if n <= SHORT_QUERY)
@@ -159,12 +149,6 @@ class SeqLayout:
                 dtype=torch.long,
             ),
         )
-
-    def slot_tensor(self, device: torch.device | str) -> torch.Tensor:
-        return self.cached("slots", device, lambda lay: torch.tensor(lay.slots, dtype=torch.long))
-
-    def context_tensor(self, device: torch.device | str) -> torch.Tensor:
-        return self.cached("context", device, lambda lay: torch.tensor(lay.context_lens, dtype=torch.long))
 
     def kv_index(self, positions: list[int], seq: int) -> list[int]:
         """Flat row (block * block_size + offset) of each position of sequence `seq` in a paged KV pool."""

@@ -105,14 +105,3 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary(layout.positions(next_ids.device))
         kv = cache.mtp_layers[step % len(cache.mtp_layers)]
         return self.mtp(self.model.embed_tokens(next_ids), hidden, cos, sin, kv, layout, step)
-
-    def mtp_forward(
-        self,
-        next_ids: torch.Tensor,
-        hidden: torch.Tensor,
-        layout: SeqLayout,
-        cache: ModelCache,
-        step: int = 0,
-    ) -> torch.Tensor:
-        """Draft logits [T, V] for the token after `next_ids` [T], given hidden states [T, H]."""
-        return self.logits(self.mtp_hidden(next_ids, hidden, layout, cache, step))

@@ -50,8 +50,9 @@ def test_mtp_head_matches_independent_recomputation(mtp_checkpoint):
 
     cache, layout = single_cache(engine.config, 32, num_mtp_layers=1)
     # Prefill t positions, then one more position reading the cached keys and values.
-    got = engine.model.mtp_forward(next_ids[:t], hidden[:t], layout(t), cache)
-    step = engine.model.mtp_forward(next_ids[t:], hidden[t:], layout(1, t), cache)
+    m = engine.model  # the runner's draft path: the head's normed output, then the shared logits
+    got = m.logits(m.mtp_hidden(next_ids[:t], hidden[:t], layout(t), cache))
+    step = m.logits(m.mtp_hidden(next_ids[t:], hidden[t:], layout(1, t), cache))
     torch.testing.assert_close(got, expected[:t], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(step, expected[t:], rtol=1e-4, atol=1e-4)
     assert (got.argmax(-1) == expected[:t].argmax(-1)).all()
@@ -62,4 +63,4 @@ def test_checkpoint_without_mtp_has_no_head(tmp_path):
     engine = Engine.from_pretrained(tmp_path, device="cpu", dtype="float32")
     assert not engine.has_mtp
     with pytest.raises(RuntimeError, match="no MTP head"):
-        engine.model.mtp_forward(torch.tensor([1]), torch.zeros(1, 48), SeqLayout((1,), (0,), (0,)), None)
+        engine.model.mtp_hidden(torch.tensor([1]), torch.zeros(1, 48), SeqLayout((1,), (0,), (0,)), None)

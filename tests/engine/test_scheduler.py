@@ -5,6 +5,7 @@ cover the step's positions, and slot/block pools whose reference counts match ex
 sequences and the prefix entries hold.
 """
 
+import copy
 from collections import Counter
 
 import torch
@@ -59,16 +60,27 @@ def make_scheduler(
     )
 
 
+def holders(sched: Scheduler) -> list:
+    return list(sched.running) + [e for e in sched.prefixes.entries.values() if e.ready]
+
+
+def block_refs(sched: Scheduler) -> Counter:
+    """Block -> how many running sequences and prefix entries hold it (step checks the allocator agrees)."""
+    return Counter(b for h in holders(sched) for b in h.blocks)
+
+
 def check_pools(sched: Scheduler) -> None:
     """Slots and block refcounts are exactly what running sequences and prefix entries hold."""
-    holders = list(sched.running) + [e for e in sched.prefixes.entries.values() if e.ready]
-    slots = [h.slot for h in holders]
+    slots = [h.slot for h in holders(sched)]
     assert None not in slots and len(set(slots)) == len(slots)
     assert sched.slots.num_free == sched.slots.num_slots - len(slots)
-    refs = Counter(b for h in holders for b in h.blocks)
-    for b in range(sched.blocks.num_blocks):
-        assert sched.blocks.refcount(b) == refs[b], f"block {b}"
+    refs = block_refs(sched)
     assert sched.blocks.num_free == sched.blocks.num_blocks - len(refs)
+    # Every holder lets go, on a copy: a block counted fewer times than it is held raises "freed twice",
+    # one counted more times stays in use.
+    drained = copy.deepcopy(sched.blocks)
+    drained.free(list(refs.elements()))
+    assert drained.num_free == drained.num_blocks, "a block is counted more times than it is held"
     for seq in sched.waiting:
         assert seq.slot is None and seq.blocks == [] and seq.num_computed == 0
 
@@ -341,7 +353,7 @@ def test_a_shared_prefix_is_computed_once_and_shared():
     assert out.slot_copies == [(entry.slot, u1.slot)]
     assert out.block_copies == [(entry.blocks[2], u1.blocks[2])]
     assert u1.blocks[:2] == entry.blocks[:2] and u1.blocks[2] != entry.blocks[2]
-    assert [sched.blocks.refcount(b) for b in entry.blocks] == [2, 2, 1]
+    assert [block_refs(sched)[b] for b in entry.blocks] == [2, 2, 1]
 
     u2 = make_seq(1, [*PREFIX, 4], prefix=PREFIX, max_tokens=3)
     u3 = make_seq(2, [*PREFIX, 5, 6, 7, 8, 9], prefix=PREFIX, max_tokens=3)
@@ -352,7 +364,7 @@ def test_a_shared_prefix_is_computed_once_and_shared():
     assert (items[1].context, items[1].num_new, items[2].context, items[2].num_new) == (9, 2, 9, 6)
     assert out.slot_copies == [(entry.slot, u2.slot), (entry.slot, u3.slot)]
     assert out.block_copies == [(entry.blocks[2], u2.blocks[2]), (entry.blocks[2], u3.blocks[2])]
-    assert [sched.blocks.refcount(b) for b in entry.blocks] == [4, 4, 1]
+    assert [block_refs(sched)[b] for b in entry.blocks] == [4, 4, 1]
     assert u2.metrics.cached_prefix_tokens == u3.metrics.cached_prefix_tokens == 9
 
     _, finished = run(sched)
@@ -361,8 +373,8 @@ def test_a_shared_prefix_is_computed_once_and_shared():
     assert sched.prefixes.users == {}
     # Only the entry holds anything now.
     assert sched.slots.num_free == sched.slots.num_slots - 1
-    assert sched.blocks.num_used == 3 and [sched.blocks.refcount(b) for b in entry.blocks] == [1, 1, 1]
-    sched.prefixes.evict_all_idle()
+    assert sched.blocks.num_used == 3 and [block_refs(sched)[b] for b in entry.blocks] == [1, 1, 1]
+    assert sched.prefixes.evict_one()
     assert len(sched.prefixes) == 0
     assert_pools_empty(sched)
 
@@ -403,7 +415,7 @@ def test_a_preempted_prefix_user_restarts_from_the_prefix():
     assert sched.blocks.num_free == 0
     out, _ = step(sched)  # a grows into a second block: u, less urgent, gives way
     assert out.preempted == [u] and u.blocks == [] and u.slot is None and u.num_computed == 0
-    assert [sched.blocks.refcount(b) for b in entry.blocks] == [1, 1, 1]  # only the entry holds them now
+    assert [block_refs(sched)[b] for b in entry.blocks] == [1, 1, 1]  # only the entry holds them now
     outs, finished = run(sched)
     (item,) = [i for o in outs for i in o.scheduled if i.seq is u]
     assert (item.context, item.num_new, item.samples, u.metrics.cached_prefix_tokens) == (9, 4, True, 9)
@@ -484,7 +496,7 @@ def test_prefix_cache_evicts_least_recently_used_idle_ready_entries():
     pending = cache.start(k1, make_seq(0, list(k1), prefix=k1).prefix_filler())
     assert pending is not None and k5 not in cache.entries  # k5 was idle, k4 named
     cache.remove_user(k4)
-    cache.evict_all_idle()
+    assert cache.evict_one() and not cache.evict_one()  # k4 goes; the filling k1 stays
     assert set(cache.entries) == {k1} and not cache.entries[k1].ready
     assert slots.num_free == 4 and blocks.num_free == 16
     cache.drop(k1)
