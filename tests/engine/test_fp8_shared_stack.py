@@ -65,8 +65,11 @@ def test_stacked_shared_expert_matches_it_run_alone(tokens, monkeypatch):
     assert moe.stack_fp8_shared_()
     assert not moe.stack_fp8_shared_()  # once
     assert moe.state_dict().keys() == state.keys()
-    assert all(torch.equal(v.view(torch.uint8), state[k].view(torch.uint8)) for k, v in moe.state_dict().items()
-               if v.dtype == torch.float8_e4m3fn)  # fmt: skip
+    for key, value in moe.state_dict().items():  # the same values: e4m3 compared bit for bit
+        same = value.view(torch.uint8) if value.dtype == torch.float8_e4m3fn else value
+        assert torch.equal(
+            same, state[key].view(torch.uint8) if value.dtype == torch.float8_e4m3fn else state[key]
+        )
     # fp32 throughout: only the summation order differs from the shared expert run alone
     torch.testing.assert_close(run(moe, x, "torch", monkeypatch), alone, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(run(moe, x, "triton", monkeypatch), alone, rtol=1e-4, atol=1e-4)
