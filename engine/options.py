@@ -218,8 +218,9 @@ class EngineOptions:
             try:
                 made[concern] = dataclasses.replace(getattr(self, concern), **fields_)
             except OptionError as exc:
+                given = values.get(exc.option, exc.value)  # as written: text from a file or a variable
                 raise OptionError(
-                    _message(where(exc.option), exc.expected, exc.value), exc.option, exc.expected, exc.value
+                    _message(where(exc.option), exc.expected, given), exc.option, exc.expected, given
                 ) from None
         return dataclasses.replace(self, **made)
 

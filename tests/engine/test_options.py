@@ -89,7 +89,7 @@ def test_flat_round_trip_and_overrides_keep_the_rest():
     [
         (
             {"max_num_seqs": "0"},
-            "ENCLAVE_MAX_NUM_SEQS must be a whole number between 1 and 4096, or auto, got 0",
+            "ENCLAVE_MAX_NUM_SEQS must be a whole number between 1 and 4096, or auto, got '0'",
         ),
         ({"max_num_seqs": "1e12"}, "ENCLAVE_MAX_NUM_SEQS must be a whole number"),
         ({"max_num_seqs": "9" * 5000}, "ENCLAVE_MAX_NUM_SEQS must be a whole number"),
