@@ -23,8 +23,13 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# One pytest-xdist worker per core, at most 8 (tests/e2e own one Redis database per worker). loadgroup, as
+# tests/scheduling.py makes it: tests spread one by one, the fuzz folder (whose total is counted in one
+# process) whole on one worker.
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 8 ? n : 8 )))
+
 test: $(STAMP) lint
-	$(PY) -m pytest -q --durations=20
+	$(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadgroup
 
 clean:
 	rm -rf $(VENV) build *.egg-info

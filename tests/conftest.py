@@ -9,7 +9,22 @@ from sqlalchemy import create_engine, text
 from engine.env import reset_engine_env
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+# `make test` runs pytest-xdist workers, one per core: each gets its share of the cores for torch, and so do
+# the engine workers the end-to-end tests start (OMP_NUM_THREADS, inherited), or they would fight for them.
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+TORCH_THREADS = max(1, min(4, (os.cpu_count() or 1) // XDIST_WORKERS))
+torch.set_num_threads(TORCH_THREADS)
+if XDIST_WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(TORCH_THREADS))
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: the controller picks how to spread the tests
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from tests.scheduling import FolderGroupScheduling
+
+    return FolderGroupScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)

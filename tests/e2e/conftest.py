@@ -17,9 +17,20 @@ import redis
 from engine.demo_model import write_demo_model
 from pipeline.db import Database
 
-REDIS_DB = 13  # a database number these tests own; flushed before and after each test
 ROOT = Path(__file__).resolve().parents[2]
 NOTES = ROOT / "pipeline" / "demo_notes"
+
+
+def _redis_db() -> int:
+    """The Redis database these tests own, flushed before and after each test: one per pytest-xdist worker
+    (gw0 -> 8 ... gw7 -> 15; 8 without xdist), so that no worker flushes another's broker mid-test."""
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    if index > 7:
+        raise pytest.UsageError("tests/e2e own Redis databases 8-15, one per worker: run at most 8 (-n 8)")
+    return 8 + index
+
+
+REDIS_DB = _redis_db()
 
 
 class Enclave:

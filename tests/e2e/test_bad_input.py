@@ -141,8 +141,10 @@ def test_oversize_document_fails_at_submit_and_the_rest_complete(embedded, tmp_p
 
 def test_document_longer_than_the_context(embedded, tmp_path):
     long = tmp_path / "long.py"
+    # About 13,000 tokens of the demo tokenizer: over its 8192-token context, and two chunks to review (each
+    # chunk a prefill of thousands of tokens on the CPU: 2,500 lines made 14 of them, a minute of the suite).
     long.write_text(
-        "".join(f"value_{i} = compute({i}, 'padding text for the context test')\n" for i in range(2500))
+        "".join(f"value_{i} = compute({i}, 'padding text for the context test')\n" for i in range(300))
     )
     summary = embedded.submit(str(long), *GOOD, "--kind", "summarize", "--param", "max_tokens=8")
     review = embedded.submit(str(long), "--kind", "code-review", "--param", "max_tokens=8")

@@ -173,7 +173,9 @@ def test_fp8_experts_per_block(native, dequant):
     # The experts' wiring, tightly: each MoE block of the FP8 model, on the input it sees in a forward pass,
     # against the dequantised model's experts (the checkpoint's FP8 weights through the plain loader) computed
     # token by token with the same activation rounding, plus the shared expert's share. fp32 summation order
-    # only: measured 2e-7.
+    # only: measured under 1e-6 on every token's row. Those 1e-7 differences can put an activation on the
+    # other side of an e4m3 rounding step: with one torch thread (a pytest-xdist worker of `make test`), one
+    # token of the last block, 2.9e-4 on its row. At most one such token per block, within 1e-3.
     seen = {}  # name -> (input, output)
 
     def keep(name):
@@ -194,8 +196,8 @@ def test_fp8_experts_per_block(native, dequant):
             weights, ids = reference.route(F.linear(x, moe.router_weight()), k, True, shared=True)
             routed = rounded_experts(x, plain.w13, plain.w2, weights[:, :k], ids[:, :k])
             expected = routed + weights[:, k:] * moe.shared_expert(x)
-        error = ((out - expected).norm() / expected.norm()).item()
-        assert error < 1e-5, (name, error)
+        rows = (out - expected).norm(dim=1) / expected.norm(dim=1)
+        assert (rows >= 1e-5).sum() <= 1 and rows.max() < 1e-3, (name, rows.max().item())
 
 
 def test_fp8_release_logits_close_to_dequantised(dirs, native, dequant):
@@ -257,14 +259,26 @@ def test_generation_with_triton_fp8_kernels(native, monkeypatch):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the model runs on the CPU: needs Triton's interpreter (set where there is no CUDA)")
-    reference_tokens = greedy_matches_full_forward(native)
-    fp8_ops, calls = ("fp8_block_linear", "quantize_fp8_per_token_group", "moe_experts_fp8"), []
+    from engine.kernels.moe import gemv
+
+    # The wiring of each FP8 Triton path into the model, not the kernels' numerics (tests/engine/kernels): a
+    # prompt of 49 tokens prefills through the grouped experts (147 (token, slot) pairs, over gemv.MAX_PAIRS),
+    # then the decode step after it through the gemv ones (3 pairs), each deciding one token. The interpreter
+    # runs each program in Python, seconds per (pair, layer) in the gemv path, so one prompt and one decode.
+    top_k = native.config.num_experts_per_tok
+    prompt = PROMPTS[2][: gemv.MAX_PAIRS // top_k + 1]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    reference_tokens = native.generate([prompt], params)[0].token_ids
+    fp8_ops, calls, variants = ("fp8_block_linear", "quantize_fp8_per_token_group", "moe_experts_fp8"), [], []
 
     # The FP8 ops through Triton (its interpreter on the CPU), every other op through its reference.
     def pick(op, like):
         calls.append(op)
         return dispatch.implementation(op, "triton" if op in fp8_ops else "torch")
 
+    choose = dispatch.choose
     monkeypatch.setattr(dispatch, "pick", pick)
-    assert greedy_matches_full_forward(native) == reference_tokens
+    monkeypatch.setattr(dispatch, "choose", lambda op, impl: (variants.append((op, impl)), choose(op, impl)))
+    assert native.generate([prompt], params)[0].token_ids == reference_tokens
     assert "fp8_block_linear" in calls and "moe_experts_fp8" in calls
+    assert {impl for op, impl in variants if op == "moe_experts_fp8"} == {"triton-grouped", "triton-gemv"}

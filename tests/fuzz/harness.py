@@ -28,6 +28,7 @@ MAX_MESSAGE = 300
 
 FED: Counter[str] = Counter()  # inputs fed, per fuzz test (checked by test_zz_total)
 DESELECTED = 0  # fuzz tests left out of this run (-k, -m): then the total is not checked
+RAN: set[str] = set()  # node ids of the fuzz tests run in this process (pytest-xdist runs some elsewhere)
 
 
 def profile(examples: int) -> settings:

@@ -14,6 +14,7 @@ from engine.env import reset_engine_env
 from engine.kernels import SeqLayout, dispatch
 from engine.kernels.attention import reference
 from engine.kernels.attention import triton as attention_triton
+from tests.engine.kernels.cases import crossed
 
 NAN = float("nan")
 # fp32: the kernel and SDPA differ only in summation order. fp16: the kernel rounds the softmax weights to
@@ -77,19 +78,20 @@ def _no_sdpa(*args, **kwargs):
 
 
 HEADS = [(2, 2, 32), (3, 1, 16), (6, 2, 16)]  # (Hq, Hkv, D): GQA ratios 1, 3 (odd head counts), 3
+F32, F16 = torch.float32, torch.float16
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("block_size", [4, 16])
+# Heads (GROUP, HEAD_DIM) with the cache block size (KV_BLOCK), dtype (dot precision, the rounding of the
+# softmax weights) in turn: every pair of values meets (cases.crossed); the 12 combinations add no path.
+@pytest.mark.parametrize("heads, block_size, dtype", crossed(HEADS, [4, 16], [F32, F16]))
 def test_decode_over_contexts(dtype, heads, block_size):
     hq, hkv, d = heads
     case = make_case((1, 1, 1, 1), (0, 1, 37, 200), hq=hq, hkv=hkv, d=d, block_size=block_size, dtype=dtype)
     check(case, dtype, block_n=16)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("block_size", [4, 16])
+# Each dtype and block size once (their pairs, and with the heads: test_decode_over_contexts).
+@pytest.mark.parametrize("dtype, block_size", [(F32, 4), (F16, 16)])
 def test_verify_steps_and_decodes(dtype, block_size):
     # MTP verify steps of 4 tokens beside decodes and the longest short step (8 tokens)
     case = make_case(
@@ -98,11 +100,11 @@ def test_verify_steps_and_decodes(dtype, block_size):
     check(case, dtype, block_n=16)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_mixed_decode_and_prefill(dtype):
-    # 20 and 9 new tokens go through the prefill kernel, the rest through the decode/verify kernel
-    case = make_case((1, 20, 4, 9, 1), (37, 0, 5, 30, 0), hq=6, hkv=2, d=16, block_size=4, dtype=dtype)
-    check(case, dtype, block_n=16)
+def test_mixed_decode_and_prefill():
+    # 20 and 9 new tokens go through the prefill kernel, the rest through the decode/verify kernel, into
+    # one output (each kernel's dtypes: the tests above and below)
+    case = make_case((1, 20, 4, 9, 1), (37, 0, 5, 30, 0), hq=6, hkv=2, d=16, block_size=4, dtype=F16)
+    check(case, F16, block_n=16)
 
 
 def test_mixed_with_split_kv_and_long_prefill():
@@ -117,17 +119,17 @@ def test_prefill_only_layout():
 
 
 @pytest.mark.parametrize("context", [0, 37])
-@pytest.mark.parametrize("n", [9, 63, 65, 130, 300])
+@pytest.mark.parametrize("n", [9, 63, 65, 130])
 def test_prefill_chunk_lengths(n, context):
     # 32-token tiles over 16-key blocks: tile edges fall inside and on cache blocks, the diagonal spans
-    # key blocks
+    # key blocks. One partial tile (9), a last tile one row short (63) and one row long (65), several
+    # tiles (130).
     case = make_case((n,), (context,), hq=3, hkv=1, d=16, block_size=4, seed=n + context)
     check(case, torch.float32, block_m=32, block_n=16)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads", [(2, 2, 32), (6, 2, 16)])  # GQA 1 and 3
-@pytest.mark.parametrize("block_size", [4, 16])
+# GQA 1 or 3 with the cache block size, dtype in turn: every pair of values meets (the prefill constexprs).
+@pytest.mark.parametrize("heads, block_size, dtype", crossed([(2, 2, 32), (6, 2, 16)], [4, 16], [F32, F16]))
 def test_prefill_batch(dtype, heads, block_size):
     hq, hkv, d = heads
     case = make_case((65, 130, 9), (0, 50, 3), hq=hq, hkv=hkv, d=d, block_size=block_size, dtype=dtype)
@@ -136,13 +138,15 @@ def test_prefill_batch(dtype, heads, block_size):
 
 @pytest.mark.parametrize("block_m, block_n", [(16, 64), (64, 16), (None, None)])
 def test_prefill_tilings(block_m, block_n):
-    # keys blocks wider and narrower than query tiles; None: the tiles the wrapper picks (64 x 64)
-    case = make_case((300, 63), (20, 0), hq=3, hkv=1, d=16, block_size=16, seed=7)
+    # keys blocks wider and narrower than query tiles; None: the tiles the wrapper picks (64 x 64). 130
+    # tokens: three tiles of 64 rows, the last one partial.
+    case = make_case((130, 63), (20, 0), hq=3, hkv=1, d=16, block_size=16, seed=7)
     check(case, torch.float32, block_m=block_m, block_n=block_n)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+# 3 splits: slices of uneven length; 8: empty ones. Both merge into fp32 and fp16 outputs. One split (no
+# merge) is the decode tests' path.
+@pytest.mark.parametrize("num_splits, dtype", [(3, F32), (8, F16), (8, F32)])
 def test_split_kv_forced(num_splits, dtype):
     # 8 slices of 16 keys leave the short contexts with empty slices, and verify rows with no visible key
     case = make_case((1, 4, 1, 4, 1), (0, 1, 37, 30, 200), hq=6, hkv=2, d=16, block_size=4, dtype=dtype)

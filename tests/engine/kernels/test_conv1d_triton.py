@@ -10,6 +10,7 @@ import torch
 from engine.kernels import SeqLayout
 from engine.kernels.conv1d import reference
 from engine.kernels.conv1d.triton import causal_conv1d
+from tests.engine.kernels.cases import crossed
 
 NAN = float("nan")
 # Under the interpreter on a CPU-only machine (conftest.py), on the GPU where there is one.
@@ -69,9 +70,11 @@ def test_verify_keeps_every_token_state(k, dtype):
     check(layout, c=19, k=k, slots=8, dtype=dtype, seed=10 + k)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("k", [2, 4])
-@pytest.mark.parametrize("n", [1, 2, 3, 63, 65, 130])
+# Every chunk length with both conv widths (the window straddles the cached state for n < K - 1), dtype in
+# turn, every pair of values meeting (cases.crossed).
+@pytest.mark.parametrize(
+    "n, k, dtype", crossed([1, 2, 3, 63, 65, 130], [2, 4], [torch.float32, torch.float16])
+)
 def test_prefill(n, k, dtype):
     # a fresh prompt (NaN slot) and a chunk continuing a cached one, in one batch
     layout = SeqLayout((n, n), (0, 9), (2, 0))

@@ -5,6 +5,7 @@ import torch
 
 from engine.kernels.deltanet_gate import reference
 from engine.kernels.deltanet_gate.triton import deltanet_gate
+from tests.engine.kernels.cases import crossed
 
 # Under the interpreter on a CPU-only machine (conftest.py), on the GPU where there is one.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -36,9 +37,10 @@ def check(b, a, a_log, dt_bias):
     torch.testing.assert_close(beta, ref_beta, **BETA_TOL[b.dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("hv", [1, 5, 32, 48])
-@pytest.mark.parametrize("t", [1, 3, 65, 300])
+# Every token count with every head count, dtype in turn, every pair of values meeting (cases.crossed).
+@pytest.mark.parametrize(
+    "t, hv, dtype", crossed([1, 3, 65, 300], [1, 5, 32, 48], [torch.float32, torch.float16])
+)
 def test_deltanet_gate(t, hv, dtype):
     b, a = ba(t, hv, dtype, seed=t + hv)
     a_log = rand(hv, seed=1).uniform_(0.0, 2.8).to(dtype)  # exp(A_log) in [1, 16]

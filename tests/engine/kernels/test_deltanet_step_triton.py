@@ -25,6 +25,7 @@ from engine.kernels.gated_delta import triton as delta_triton
 from engine.kernels.norm import triton as norm_triton
 from engine.model.deltanet import GatedDeltaNet
 from tests.engine.factories import text_config
+from tests.engine.kernels.cases import crossed, ids
 
 NAN = float("nan")
 # The interpreter on the CPU (CI), the compiled kernel where there is a GPU.
@@ -139,17 +140,17 @@ def verify_layout():
     )
 
 
-@pytest.mark.parametrize("v_splits", SPLITS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("batch", [1, 2, 5])
+DTYPES = [torch.float32, torch.float16]
+
+
+# Every shape with every split (which columns a tile masks); dtype and batch size in turn, every pair of
+# values meeting (cases.crossed): the 72 combinations add no path, at seconds each in the interpreter.
+@pytest.mark.parametrize("shape, v_splits, dtype, batch", crossed(SHAPES, SPLITS, DTYPES, [1, 2, 5]))
 def test_decode_matches_reference(batch, shape, dtype, v_splits):
     compare(decode_layout(batch), 7, shape, dtype, seed=batch, v_splits=v_splits)
 
 
-@pytest.mark.parametrize("v_splits", SPLITS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("shape", SHAPES[1:3])
+@pytest.mark.parametrize("shape, v_splits, dtype", crossed(SHAPES[1:3], SPLITS, DTYPES))
 def test_verify_writes_every_token_state(shape, dtype, v_splits):
     layout = verify_layout()
     before, after = compare(layout, 19, shape, dtype, seed=3, v_splits=v_splits)
@@ -168,8 +169,13 @@ def test_other_conv_widths(k):
     compare(layout, 7, SHAPES[0], torch.float32, k=k, seed=7)
 
 
-@pytest.mark.parametrize("v_splits", SPLITS)
-@pytest.mark.parametrize("kind, shape", [("decode", SHAPES[0]), ("decode", SHAPES[3]), ("verify", SHAPES[2])])
+# The key heads' counters alone (Hv > Hk, unsplit), the value heads' alone (Hv = Hk, split), both (on a
+# decode and on a verify layout).
+@pytest.mark.parametrize(
+    "kind, shape, v_splits",
+    [("decode", SHAPES[0], 1), ("decode", SHAPES[3], 2), ("decode", SHAPES[0], 4), ("verify", SHAPES[2], 2)],
+    ids=ids,
+)
 def test_counters_reset_for_the_next_layer(kind, shape, v_splits):
     # The layers of a step (and a CUDA graph's replays) share the layout and so the key heads' and value
     # heads' counters: each launch must leave them zero, or the next layer's q/k conv states would go

@@ -12,6 +12,7 @@ from engine.kernels import dispatch
 from engine.kernels.fp8 import reference
 from engine.kernels.fp8 import triton as fp8_triton
 from tests.engine.factories import quantize_block_fp8
+from tests.engine.kernels.cases import crossed
 
 # Same e4m3 values and scales on both sides; only the fp32 summation order differs (the reference sums
 # dequantised products, the kernel scales each 128-wide block's sum): ~1e-6 relative for K <= 300.
@@ -79,10 +80,13 @@ def test_quantize_keeps_leading_dims():
     torch.testing.assert_close(s, ref_s, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("use_fp8_dot", [True, False])
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32), (torch.float16, FP16)])
-@pytest.mark.parametrize("m", [1, 3, 63, 65, 130])
-def test_linear_matches_reference(m, dtype, tol, use_fp8_dot, monkeypatch):
+# Every row count (one row takes the weight-streaming kernel, more the quantiser + GEMM, whose tiles 63 and 65
+# fill just under and over) in both dtypes; the e4m3 tl.dot or its fp16 stand-in in turn (cases.crossed).
+@pytest.mark.parametrize(
+    "m, dtype, use_fp8_dot", crossed([1, 3, 63, 65, 130], [torch.float32, torch.float16], [True, False])
+)
+def test_linear_matches_reference(m, dtype, use_fp8_dot, monkeypatch):
+    tol = FP32 if dtype == torch.float32 else FP16
     monkeypatch.setattr(fp8_triton, "has_fp8_dot", lambda device: use_fp8_dot)
     n, k = (200, 136) if m % 2 else (144, 264)
     x = activations(m, k, dtype, seed=m)

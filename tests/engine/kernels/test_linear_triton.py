@@ -19,6 +19,7 @@ from engine.kernels.linear import reference
 from engine.kernels.linear import triton as linear_triton
 from engine.model.fp8_linear import is_fp8_projection
 from engine.model.linear import Linear
+from tests.engine.kernels.cases import crossed, ids
 from tests.engine.kernels.test_moe_triton import DEVICE, assert_relative, needs_cuda, rand
 from tests.engine.kernels.test_moe_triton import nan_empty as nan_empty  # a fixture, used by name
 
@@ -43,14 +44,17 @@ def expected(x, w, b):
     return F.linear(x.float(), w.float(), None if b is None else b.float())
 
 
-# Odd sizes at every row count; K = 2048 (several steps, split for small N) at three.
-SHAPES = [(m, n, k) for m in (1, 2, 3, 5, MAX) for n, k in ((1, 16), (7, 100), (300, 100), (64, 272))]
-SHAPES += [(m, n, 2048) for m in (1, 5, MAX) for n in (64, 257)]
+DTYPES = [torch.float32, torch.float16]
+# Every row count (ROWS is a constexpr: one row takes the wide tiles, 3 and 5 mask a power-of-two block) with
+# every odd (N, K); K = 2048 (several steps, split for small N) at three counts; dtype in turn, every pair of
+# values meeting (cases.crossed).
+SHAPES = crossed([1, 2, 3, 5, MAX], [(1, 16), (7, 100), (300, 100), (64, 272)], DTYPES)
+SHAPES += crossed([1, 5, MAX], [(64, 2048), (257, 2048)], DTYPES)
 
 
-@pytest.mark.parametrize("m, n, k", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_linear_matches_reference(m, n, k, dtype, nan_empty):
+@pytest.mark.parametrize("m, nk, dtype", SHAPES)
+def test_linear_matches_reference(m, nk, dtype, nan_empty):
+    n, k = nk
     x = rand(m, k, seed=m + k).to(dtype)
     w, b = weights(n, k, dtype, seed=n, bias=(m + n) % 2 == 1)
     out = linear_triton.linear(x, w, b)
@@ -158,10 +162,12 @@ FP8_SHAPES += [
     (m, n, k, block) for m in (1, 3, MAX) for n, k, block in ((7, 100, (16, 16)), (45, 60, (8, 24)))
 ]
 FP8_SHAPES += [(2, 64, 2048, (128, 128)), (5, 90, 100, (64, 32))]
+# Each shape in one dtype, fp32 and fp16 in turn: both at every row count of the first shape and at each
+# block shape (the dtype is read and written at the edges of the kernel, away from the scale blocks).
+FP8_CASES = [(*shape, DTYPES[i % 2]) for i, shape in enumerate(FP8_SHAPES)]
 
 
-@pytest.mark.parametrize("m, n, k, block", FP8_SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, n, k, block, dtype", FP8_CASES, ids=ids)
 def test_fp8_block_linear_small_m_matches_reference(m, n, k, block, dtype, nan_empty):
     x = fp8_activations(m, k, dtype, seed=m + k)
     w, scale = fp8_weight(n, k, block, seed=n)
@@ -173,8 +179,9 @@ def test_fp8_block_linear_small_m_matches_reference(m, n, k, block, dtype, nan_e
     )
 
 
-@pytest.mark.parametrize("m, n, k, block", FP8_SHAPES[::2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "m, n, k, block, dtype", [(*shape, DTYPES[i % 2]) for i, shape in enumerate(FP8_SHAPES[::2])], ids=ids
+)
 def test_fp8_linear_prequantized_matches_reference(m, n, k, block, dtype, nan_empty):
     # x quantised by its own kernel first: the same e4m3 values and scales as inline, so the same tolerance.
     x = fp8_activations(m, k, dtype, seed=m + k)

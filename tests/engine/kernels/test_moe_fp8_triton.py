@@ -24,6 +24,7 @@ from engine.kernels.moe import fp8 as moe_fp8
 from engine.kernels.moe import gemv, reference
 from engine.kernels.moe.config import ExpertsConfig
 from engine.model.fp8_linear import quantize_gate_up
+from tests.engine.kernels.cases import crossed
 from tests.engine.kernels.test_moe_triton import assert_relative, rand
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,14 +81,20 @@ def routing(t, e, k, seed, device=DEVICE):
     return reference.route(logits, k, renormalize=True)
 
 
-@pytest.mark.parametrize("t", [1, 3, 17, 65])
+# Up to gemv.MAX_PAIRS (token, slot) pairs `experts` takes the FP8 gemv kernels, tested at every size in
+# test_moe_gemv_triton and here at one token, through this entry; 81 tokens (162 or 243 pairs) take the
+# grouped GEMMs. (Tens of tokens on gemv cost a minute in the interpreter and add no path.)
 @pytest.mark.parametrize(
-    "h, i, e, k, block",
-    [(48, 40, 5, 2, (16, 16)), (48, 40, 8, 3, (32, 32)), (64, 40, 5, 2, (16, 32))],
+    "t, shape, dtype",
+    crossed(
+        [1, 81],
+        [(48, 40, 5, 2, (16, 16)), (48, 40, 8, 3, (32, 32)), (64, 40, 5, 2, (16, 32))],
+        [torch.float32, torch.float16],
+    ),
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_experts_match_reference(t, h, i, e, k, block, dtype, nan_empty):
+def test_experts_match_reference(t, shape, dtype, nan_empty):
     # H, I not multiples of the block (partial scale blocks, a ragged last K step); bn != bk in the last.
+    h, i, e, k, block = shape
     x = rand(t, h, seed=t).to(dtype)
     w = fp8_weights(e, h, i, block, seed=h + t)
     weights, ids = routing(t, e, k, seed=t + 1)
@@ -96,12 +103,13 @@ def test_experts_match_reference(t, h, i, e, k, block, dtype, nan_empty):
     assert_relative(out, reference.fp8_experts(x, *w, weights, ids, block), REL_TOL[dtype])
 
 
-@pytest.mark.parametrize("t", [3, 65])
 @pytest.mark.parametrize("h, i", [(256, 128), (320, 192)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_experts_real_block(t, h, i, dtype, nan_empty):
+def test_experts_real_block(h, i, dtype, nan_empty):
     # 128 x 128 blocks, as real checkpoints; (320, 192): partial blocks in H and I, and an I that 128 does not
-    # divide (the gate and up halves each start a fresh row block).
+    # divide (the gate and up halves each start a fresh row block). 73 tokens: 146 pairs, over gemv.MAX_PAIRS,
+    # so the grouped GEMMs (the gemv kernels at these blocks: test_moe_gemv_triton).
+    t = 73
     block, e, k = (128, 128), 4, 2
     x = rand(t, h, seed=t).to(dtype)
     w = fp8_weights(e, h, i, block, seed=3)
@@ -116,7 +124,8 @@ def test_experts_real_block(t, h, i, dtype, nan_empty):
     # boundary may round to the other neighbour when the gate/up sums differ in their last bit (here the
     # interpreter's tl.dot, numpy's BLAS, sums in another order than the reference's matmul): measured at
     # (65, 320, 192), one element of token 20's activation, 2.7e-4 on its row against ~1e-7 elsewhere, 1.04e-5
-    # over the whole tensor. Such a row still stays within an e4m3 step of its activation.
+    # over the whole tensor; at 73 tokens none (rows at most 1.1e-6). Such a row still stays within an e4m3
+    # step of its activation.
     errors = (out - expected).norm(dim=1) / expected.norm(dim=1).clamp_min(1e-12)
     assert (errors >= REL_TOL[dtype]).sum() <= 1, errors
     assert errors.max() < 1e-3, errors
@@ -135,11 +144,12 @@ def test_experts_tile_sizes(block_m, block_n, split_k, nan_empty):
     assert_relative(out, reference.fp8_experts(x, *w, weights, ids, block), REL_TOL[torch.float32])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_experts_with_shared_output(dtype, nan_empty):
+# 3 tokens take the gemv kernels, 73 (146 pairs) the grouped GEMMs.
+@pytest.mark.parametrize("t, dtype", [(3, torch.float16), (73, torch.float32)])
+def test_experts_with_shared_output(t, dtype, nan_empty):
     # The shared expert (FP8 Fp8Linears) runs outside; the routed slots are column slices of the routing
     # with the shared slot, whose weight scales the shared output in the combine.
-    t, h, i, e, k, block = 17, 48, 40, 6, 2, (16, 16)
+    h, i, e, k, block = 48, 40, 6, 2, (16, 16)
     x = rand(t, h, seed=21).to(dtype)
     w = fp8_weights(e, h, i, block, seed=22)
     weights, ids = reference.route(rand(t, e + 1, seed=23), k, True, shared=True)
@@ -158,9 +168,10 @@ def rounded(dtype):
     return dict(rtol=eps, atol=eps * 4)
 
 
-def test_experts_strided_inputs(nan_empty):
+@pytest.mark.parametrize("t", [3, 73])  # the gemv kernels, the grouped GEMMs
+def test_experts_strided_inputs(t, nan_empty):
     # x a column slice of a wider tensor, w13 in transposed storage, weights a column slice: strides followed.
-    t, h, i, e, k, block = 17, 48, 40, 6, 2, (16, 16)
+    h, i, e, k, block = 48, 40, 6, 2, (16, 16)
     x = rand(t, 2 * h, seed=1)[:, :h]
     w13, s13, w2, s2 = fp8_weights(e, h, i, block, seed=2)
     w13 = w13.transpose(1, 2).contiguous().transpose(1, 2)

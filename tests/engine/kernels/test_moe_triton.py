@@ -11,6 +11,7 @@ import torch
 from engine.kernels import dispatch
 from engine.kernels.moe import reference
 from engine.kernels.moe import triton as moe_triton
+from tests.engine.kernels.cases import crossed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -65,10 +66,17 @@ def assert_same_topk(weights, ids, logits, top_k, renormalize):
     assert (ids.sort(-1).values.diff(dim=-1) > 0).all(), "an expert was picked twice"
 
 
-@pytest.mark.parametrize("t, e, k", [(1, 5, 2), (3, 8, 3), (17, 5, 2), (65, 8, 3), (3, 256, 8), (17, 256, 8)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_route_matches_reference(t, e, k, dtype, renormalize, nan_empty):
+# Every (tokens, experts, top k) in every logits dtype; renormalised or not in turn (cases.crossed).
+@pytest.mark.parametrize(
+    "tek, dtype, renormalize",
+    crossed(
+        [(1, 5, 2), (3, 8, 3), (17, 5, 2), (65, 8, 3), (3, 256, 8), (17, 256, 8)],
+        [torch.float32, torch.float16, torch.bfloat16],
+        [True, False],
+    ),
+)
+def test_route_matches_reference(tek, dtype, renormalize, nan_empty):
+    t, e, k = tek
     logits = (rand(t, e, seed=t + e) * 3).to(dtype)
     weights, ids = moe_triton.route(logits, k, renormalize)
     assert_same_topk(weights, ids, logits, k, renormalize)
@@ -104,10 +112,15 @@ def test_route_ties_pick_distinct_experts():
     assert_same_topk(weights, ids, logits, 4, True)
 
 
-@pytest.mark.parametrize("t", [1, 3, 17, 65])
-@pytest.mark.parametrize("h, i, e, k", [(32, 16, 5, 2), (48, 24, 7, 3), (64, 32, 8, 3)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_experts_match_reference(t, h, i, e, k, dtype, nan_empty):
+# Up to gemv.MAX_PAIRS (token, slot) pairs `experts` takes the gemv kernels, tested at every size in
+# test_moe_gemv_triton and here at one token, through this entry; 81 tokens (162 or 243 pairs) take the
+# grouped GEMMs. (Tens of tokens on gemv cost tens of seconds in the interpreter and add no path.)
+@pytest.mark.parametrize(
+    "t, shape, dtype",
+    crossed([1, 81], [(32, 16, 5, 2), (48, 24, 7, 3), (64, 32, 8, 3)], [torch.float32, torch.float16]),
+)
+def test_experts_match_reference(t, shape, dtype, nan_empty):
+    h, i, e, k = shape
     x = rand(t, h, seed=t).to(dtype)
     w13, w2 = expert_weights(e, h, i, dtype, seed=h + t)
     logits = rand(t, e, seed=t + 1)
@@ -137,10 +150,17 @@ def shared_weights(h, i, dtype, seed=0, device=DEVICE):
     return w13[0], w2[0]
 
 
-@pytest.mark.parametrize("t", [1, 3, 17, 40])
-@pytest.mark.parametrize("h, i, shared_i, e, k", [(32, 16, 16, 5, 2), (48, 24, 40, 7, 3), (64, 32, 8, 8, 3)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_experts_with_shared_expert(t, h, i, shared_i, e, k, dtype, nan_empty):
+# One token takes gemv, 49 (147 or 196 pairs with the shared slot) the grouped GEMMs.
+@pytest.mark.parametrize(
+    "t, shape, dtype",
+    crossed(
+        [1, 49],
+        [(32, 16, 16, 5, 2), (48, 24, 40, 7, 3), (64, 32, 8, 8, 3)],
+        [torch.float32, torch.float16],
+    ),
+)
+def test_experts_with_shared_expert(t, shape, dtype, nan_empty):
+    h, i, shared_i, e, k = shape
     # Expert id E is the shared expert (its own intermediate size), one more slot of every token.
     x = rand(t, h, seed=t).to(dtype)
     w13, w2 = expert_weights(e, h, i, dtype, seed=h + t)
@@ -181,11 +201,12 @@ def test_experts_down_split_k(split_k, block_k, nan_empty):
     assert_relative(out, expected, REL_TOL[torch.float32])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_experts_with_shared_output(dtype, nan_empty):
+# 3 tokens take the gemv kernels, 73 (146 pairs) the grouped GEMMs.
+@pytest.mark.parametrize("t, dtype", [(3, torch.float16), (73, torch.float32)])
+def test_experts_with_shared_output(t, dtype, nan_empty):
     # An FP8 shared expert runs on its own: the model passes the routed slots (column slices) and the shared
     # expert's output with its slot's weight, which the combine adds.
-    t, h, i, e, k = 17, 32, 16, 6, 2
+    h, i, e, k = 32, 16, 6, 2
     x = rand(t, h, seed=21).to(dtype)
     w13, w2 = expert_weights(e, h, i, dtype, seed=22)
     weights, ids = reference.route(rand(t, e + 1, seed=23), k, True, shared=True)
@@ -214,9 +235,10 @@ def test_experts_deterministic():
     assert torch.equal(first, moe_triton.experts(x, w13, w2, weights, ids, s13, s2))
 
 
-def test_experts_strided_inputs():
+@pytest.mark.parametrize("t", [3, 73])  # the gemv kernels, the grouped GEMMs
+def test_experts_strided_inputs(t):
     # x a column slice of a wider tensor, w13 transposed storage: the kernels follow strides.
-    t, h, i, e, k = 17, 32, 16, 6, 2
+    h, i, e, k = 32, 16, 6, 2
     x = rand(t, 2 * h, seed=1)[:, :h]
     w13, w2 = expert_weights(e, h, i, torch.float32, seed=2)
     w13 = w13.transpose(1, 2).contiguous().transpose(1, 2)

@@ -8,6 +8,7 @@ from engine.kernels.norm import reference as norm_ref
 from engine.kernels.norm.triton import add_rms_norm, gated_rms_norm, rms_norm
 from engine.kernels.rotary import reference as rotary_ref
 from engine.kernels.rotary.triton import apply_rotary, rotary_cos_sin
+from tests.engine.kernels.cases import crossed
 
 EPS = 1e-6
 # Under the interpreter on a CPU-only machine (conftest.py), on the GPU where there is one.
@@ -24,10 +25,11 @@ def rand(*shape, seed=0, dtype=torch.float32, device=DEVICE):
     return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [7, 33, 128])
-@pytest.mark.parametrize("rows", [1, 3, 65])
-@pytest.mark.parametrize("zero_centered", [True, False])
+# Here and below: every row count with every width (odd widths mask the row tile; 65 rows span more than one
+# block of rows), the other axes in turn, every pair of values meeting (cases.crossed).
+@pytest.mark.parametrize(
+    "rows, d, dtype, zero_centered", crossed([1, 3, 65], [7, 33, 128], DTYPES, [True, False])
+)
 def test_rms_norm(rows, d, dtype, zero_centered):
     x, w = rand(rows, d, seed=rows + d, dtype=dtype), rand(d, seed=1, dtype=dtype) * 0.1
     out = rms_norm(x, w, EPS, zero_centered)
@@ -48,9 +50,7 @@ def test_rms_norm_strided_heads(dtype):
     torch.testing.assert_close(rms_norm(x4, w, EPS), norm_ref.rms_norm(x4, w, EPS), **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [7, 33, 128])
-@pytest.mark.parametrize("rows", [1, 3, 65])
+@pytest.mark.parametrize("rows, d, dtype", crossed([1, 3, 65], [7, 33, 128], DTYPES))
 def test_add_rms_norm(rows, d, dtype):
     x, res = rand(rows, d, seed=d, dtype=dtype), rand(rows, d, seed=d + 1, dtype=dtype)
     w = rand(d, seed=2, dtype=dtype) * 0.1
@@ -75,9 +75,7 @@ def test_add_rms_norm_strided_and_fp32_weight():
     torch.testing.assert_close(normed, ref_normed, **TOL[torch.float16])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [7, 33, 128])
-@pytest.mark.parametrize("rows", [1, 3, 65])
+@pytest.mark.parametrize("rows, d, dtype", crossed([1, 3, 65], [7, 33, 128], DTYPES))
 def test_gated_rms_norm(rows, d, dtype):
     x, gate = rand(rows, d, seed=d, dtype=dtype), rand(rows, d, seed=d + 1, dtype=dtype)
     w = rand(d, seed=2, dtype=dtype)  # same dtype: the reference rounds weight * normed to it
@@ -105,11 +103,11 @@ def rotary_inputs(t, h, d, rd, dtype, seed=0, device=DEVICE):
     return x, cos, sin
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("d", "rd"), [(7, 4), (33, 8), (128, 32), (16, 16)])
-@pytest.mark.parametrize("h", [1, 3])
-@pytest.mark.parametrize("t", [1, 3, 65])
-def test_apply_rotary(t, h, d, rd, dtype):
+@pytest.mark.parametrize(
+    "dims, t, dtype, h", crossed([(7, 4), (33, 8), (128, 32), (16, 16)], [1, 3, 65], DTYPES, [1, 3])
+)
+def test_apply_rotary(t, h, dims, dtype):
+    d, rd = dims
     x, cos, sin = rotary_inputs(t, h, d, rd, dtype, seed=t + d)
     out = apply_rotary(x, cos, sin)
     # same rounding order as the reference (cast cos/sin, round each product, then the sum): exact, but
@@ -117,9 +115,7 @@ def test_apply_rotary(t, h, d, rd, dtype):
     torch.testing.assert_close(out, rotary_ref.apply_rotary(x, cos, sin), **ROTARY_TOL[dtype])
 
 
-@pytest.mark.parametrize("scale", [1.0, 1.25])
-@pytest.mark.parametrize("rd", [2, 8, 64, 96])
-@pytest.mark.parametrize("t", [1, 3, 65])
+@pytest.mark.parametrize("rd, t, scale", crossed([2, 8, 64, 96], [1, 3, 65], [1.0, 1.25]))
 def test_rotary_cos_sin(t, rd, scale):
     # positions up to Qwen3.5's 262144 (angles of 2.6e5 rad at the first frequency): the same fp32 angle
     # on both sides, then cos/sin of two libraries (an ulp or so)

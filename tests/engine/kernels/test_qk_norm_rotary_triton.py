@@ -6,6 +6,7 @@ import torch
 from engine.kernels.qk_norm_rotary import reference
 from engine.kernels.qk_norm_rotary.triton import qk_norm_rotary
 from engine.kernels.rotary import reference as rotary_ref
+from tests.engine.kernels.cases import crossed
 
 EPS = 1e-6
 # Under the interpreter on a CPU-only machine (conftest.py), on the GPU where there is one.
@@ -48,11 +49,14 @@ def check(t, hq, hkv, d, rd, dtype, seed=0):
     torch.testing.assert_close(out_k, ref_k, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("d", "rd"), [(7, 4), (33, 8), (64, 16), (16, 16)])
-@pytest.mark.parametrize(("hq", "hkv"), [(1, 1), (4, 2), (6, 1), (16, 2)])
-@pytest.mark.parametrize("t", [1, 3, 65])
-def test_qk_norm_rotary(t, hq, hkv, d, rd, dtype):
+# Every head layout with every head size: together they set the tile (BH heads of BD channels) and its
+# masks. dtype and token count (one program per token) in turn, every pair of values meeting (cases.crossed).
+@pytest.mark.parametrize(
+    "heads, dims, dtype, t",
+    crossed([(1, 1), (4, 2), (6, 1), (16, 2)], [(7, 4), (33, 8), (64, 16), (16, 16)], DTYPES, [1, 3, 65]),
+)
+def test_qk_norm_rotary(t, heads, dims, dtype):
+    (hq, hkv), (d, rd) = heads, dims
     check(t, hq, hkv, d, rd, dtype, seed=t + hq + d)
 
 

@@ -18,6 +18,7 @@ from engine.kernels.sampling import reference
 from engine.kernels.sampling.triton import sample_filtered
 from engine.sampler import draw_rows
 from engine.sampling import SamplingParams
+from tests.engine.kernels.cases import crossed
 
 # Under the interpreter on a CPU-only machine (conftest.py), on the GPU where there is one.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -90,10 +91,10 @@ def check(logits, temperature, top_k, top_p, race, **tiles):
 SHAPES = [(1, 3), (7, 5), (100, 4), (1000, 2), (5000, 1), (1000, 5)]
 
 
-@pytest.mark.parametrize("ties", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("vocab", "batch"), SHAPES)
-def test_matches_reference(vocab, batch, dtype, ties):
+# Every shape in both dtypes, with and without ties in turn, every pair of values meeting (cases.crossed).
+@pytest.mark.parametrize("shape, dtype, ties", crossed(SHAPES, [torch.float32, torch.float16], [False, True]))
+def test_matches_reference(shape, dtype, ties):
+    vocab, batch = shape
     check(*make_inputs(batch, vocab, dtype, ties, seed=vocab + batch))
 
 

@@ -6,6 +6,7 @@ import torch
 
 from engine.kernels.sigmoid_gate import reference
 from engine.kernels.sigmoid_gate.triton import sigmoid_gate
+from tests.engine.kernels.cases import crossed
 
 # Under the interpreter on a CPU-only machine (conftest.py), on the GPU where there is one.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,10 +29,11 @@ def gated_inputs(t, h, d, dtype, seed=0, device=DEVICE):
     return x, gate
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("d", [7, 33, 128])
-@pytest.mark.parametrize("h", [1, 3, 16])
-@pytest.mark.parametrize("t", [1, 3, 65])
+# Heads with head sizes (together they set the BH x BD tile and its masks); dtype and token count (one
+# program row per token) in turn, every pair of values meeting (cases.crossed): 10 of the 54 combinations.
+@pytest.mark.parametrize(
+    "h, d, dtype, t", crossed([1, 3, 16], [7, 33, 128], [torch.float32, torch.float16], [1, 3, 65])
+)
 def test_sigmoid_gate(t, h, d, dtype):
     x, gate = gated_inputs(t, h, d, dtype, seed=t + h + d)
     out = sigmoid_gate(x, gate)
