@@ -10,8 +10,8 @@ from engine.model.deltanet import GatedDeltaNet
 from engine.model.fp8_linear import Fp8Linear
 from tests.engine.factories import save_text_model, single_cache
 
-# fp32 on the CPU: the fused GEMM computes the same dot products as the two separate ones, but a BLAS may block
-# the wider output differently, and the last bits then grow through the layers: on the 2-core CI machine
+# fp32 on the CPU: the fused GEMM computes the same dot products as the two separate ones, but a BLAS may
+# block the wider output differently, and the last bits then grow through the layers: on the 2-core CI machine
 # (torch 2.13) 1.4e-4 at 58693bc as at later commits, where other hosts measured under 1e-6. A wiring mistake
 # (a wrong split of the fused output) moves logits by order one.
 LOGIT_TOL = 1e-3
