@@ -18,7 +18,7 @@ from engine.config import config_from_dict
 from engine.kernels import dequantize_block_fp8
 from engine.kernels.fp8.reference import quantize_block_fp8_weight
 from engine.kernels.moe import reference
-from engine.model.fp8_linear import quantize_gate_up, quantize_model_
+from engine.model.fp8_linear import Fp8Linear, quantize_gate_up, quantize_model_
 from engine.model.moe import SparseMoe
 from tests.engine.factories import save_text_model, text_config, write_fp8_copies
 from tests.engine.numerics import all_position_logits
@@ -170,8 +170,9 @@ def test_fused_bf16_experts_quantised_at_load(dirs, caplog):
         assert same_bits(moe.w2, other.w2) and torch.equal(moe.w2_scale_inv, other.w2_scale_inv), name
 
 
-def fp8_block(shared: int, seed: int = 0) -> SparseMoe:
-    """A SparseMoe (hidden 64, 6 experts of 24, top 2) with random weights, its experts then made FP8."""
+def fp8_block(shared: int, seed: int = 0, block=BLOCK, fp8_shared: bool = False) -> SparseMoe:
+    """A SparseMoe (hidden 64, 6 experts of 24, top 2) with random weights, its experts then made FP8 with
+    `block` scales; with `fp8_shared` its shared expert too (`Fp8Linear`s, as quantization="fp8" loads it)."""
     config = config_from_dict(
         text_config(
             hidden_size=64,
@@ -187,9 +188,14 @@ def fp8_block(shared: int, seed: int = 0) -> SparseMoe:
         for p in moe.parameters():
             p.copy_(torch.randn(p.shape) * (2.0 if p is moe.gate.weight else p.shape[-1] ** -0.5))
         w13, w2 = moe.w13.detach().clone(), moe.w2.detach().clone()
-        moe.use_fp8_experts_(BLOCK)
-        moe.w13[:], moe.w13_scale_inv[:] = quantize_gate_up(w13, BLOCK)
-        moe.w2[:], moe.w2_scale_inv[:] = quantize_block_fp8_weight(w2, BLOCK)
+        moe.use_fp8_experts_(block)
+        moe.w13[:], moe.w13_scale_inv[:] = quantize_gate_up(w13, block)
+        moe.w2[:], moe.w2_scale_inv[:] = quantize_block_fp8_weight(w2, block)
+        for name in ("gate_up_proj", "down_proj") if fp8_shared else ():
+            linear = getattr(moe.shared_expert, name)
+            fp8 = Fp8Linear.like(linear, block)
+            fp8.weight, fp8.weight_scale_inv = quantize_block_fp8_weight(linear.weight, block)
+            setattr(moe.shared_expert, name, fp8)
     return moe.eval()
 
 

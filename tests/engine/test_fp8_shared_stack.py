@@ -11,42 +11,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before a Triton kernel module is imported
 
-from engine.config import config_from_dict
 from engine.env import reset_engine_env
-from engine.kernels.fp8.reference import quantize_block_fp8_weight
-from engine.model.fp8_linear import Fp8Linear, quantize_gate_up
 from engine.model.moe import SparseMoe
-from tests.engine.factories import text_config
+from tests.engine.test_fp8_experts import fp8_block
 
 BLOCK = (8, 16)  # bn divides the intermediate size (24), as Qwen3.5's 128 divides 512
 
 
 def fp8_moe(shared: int, seed: int = 0) -> SparseMoe:
     """A SparseMoe (hidden 64, 6 experts of 24, top 2) whose experts and shared expert are block FP8."""
-    config = config_from_dict(
-        text_config(
-            hidden_size=64,
-            num_experts=6,
-            num_experts_per_tok=2,
-            moe_intermediate_size=24,
-            shared_expert_intermediate_size=shared,
-        ).to_dict()
-    )
-    torch.manual_seed(seed)
-    moe = SparseMoe(config)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn(p.shape) * (2.0 if p is moe.gate.weight else p.shape[-1] ** -0.5))
-        w13, w2 = moe.w13.detach().clone(), moe.w2.detach().clone()
-        moe.use_fp8_experts_(BLOCK)
-        moe.w13[:], moe.w13_scale_inv[:] = quantize_gate_up(w13, BLOCK)
-        moe.w2[:], moe.w2_scale_inv[:] = quantize_block_fp8_weight(w2, BLOCK)
-        for name in ("gate_up_proj", "down_proj"):
-            linear = getattr(moe.shared_expert, name)
-            fp8 = Fp8Linear.like(linear, BLOCK)
-            fp8.weight, fp8.weight_scale_inv = quantize_block_fp8_weight(linear.weight, BLOCK)
-            setattr(moe.shared_expert, name, fp8)
-    return moe.eval()
+    return fp8_block(shared, seed, BLOCK, fp8_shared=True)
 
 
 def run(moe: SparseMoe, x: torch.Tensor, kernels: str, monkeypatch) -> torch.Tensor:

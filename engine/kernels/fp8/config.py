@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.moe.config import table_path
+from engine.kernels.moe.config import device_name, table_path
 
 CONFIG_DIR = Path(__file__).with_name("configs")
 
@@ -44,11 +44,6 @@ def _table(path: Path) -> dict[str, dict[int, GemmConfig]]:
     return {key: {int(m): GemmConfig(**c) for m, c in rows.items()} for key, rows in raw.items()}
 
 
-@functools.cache
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
 def tuned_config(
     m: int, n: int, k: int, device: torch.device, directory: Path = CONFIG_DIR
 ) -> GemmConfig | None:
@@ -56,7 +51,7 @@ def tuned_config(
     None without a table entry for (N, K), or outside half the smallest to twice the largest tuned count."""
     if device.type != "cuda":
         return None
-    entries = _table(table_path(_device_name(device.index or 0), directory)).get(table_key(n, k))
+    entries = _table(table_path(device_name(device.index or 0), directory)).get(table_key(n, k))
     if not entries or not min(entries) / 2 <= m <= 2 * max(entries):
         return None
     return entries[min(entries, key=lambda t: (max(t, m) / max(1, min(t, m)), t))]

@@ -73,7 +73,7 @@ def _table(path: Path) -> dict[str, dict[int, ExpertsConfig]]:
 
 
 @functools.cache
-def _device_name(index: int) -> str:
+def device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
@@ -86,7 +86,7 @@ def tuned_config(
     when the table stopped at 256 (a third of the rate of `choose_config`'s shape rules on an H200)."""
     if device.type != "cuda":
         return None
-    entries = _table(table_path(_device_name(device.index or 0), directory)).get(key)
+    entries = _table(table_path(device_name(device.index or 0), directory)).get(key)
     if not entries or num_tokens > 2 * max(entries):
         return None
     return entries[min(entries, key=lambda t: (abs(t - num_tokens), t))]

@@ -18,7 +18,7 @@ CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it
 
 @pytest.fixture
 def table(tmp_path, monkeypatch):
-    monkeypatch.setattr(fp8_config, "_device_name", lambda index: "Test GPU 9")
+    monkeypatch.setattr(fp8_config, "device_name", lambda index: "Test GPU 9")
     entries = {"16": GemmConfig(16, 32, 4, 3).__dict__, "512": GemmConfig(64, 128, 8, 4).__dict__}
     (tmp_path / "Test_GPU_9.json").write_text(json.dumps({fp8_config.table_key(2048, 4096): entries}))
     fp8_config._table.cache_clear()

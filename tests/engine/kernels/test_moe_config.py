@@ -18,7 +18,7 @@ from tests.engine.kernels.test_moe_triton import (
 
 
 def test_table_lookup_takes_the_nearest_tuned_token_count_up_to_twice_the_largest(tmp_path, monkeypatch):
-    monkeypatch.setattr(config, "_device_name", lambda index: "NVIDIA H200")
+    monkeypatch.setattr(config, "device_name", lambda index: "NVIDIA H200")
     key = config.table_key(256, 2048, 512, 8, torch.bfloat16)
     assert key == "E=256,H=2048,I=512,k=8,dtype=bfloat16"
     small = config.ExpertsConfig(16, config.GemmTiles(16, 256, 4, 3), config.GemmTiles(64, 128), split_k=2)
