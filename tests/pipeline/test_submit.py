@@ -241,7 +241,8 @@ def test_submit_time_is_linear(tmp_path, db_url, service):
 
     A linear submit sits just under 4x: its fixed costs are all that keep it below, and its time is mostly
     sealing, measured here at 3.97x in CPU time (sorting the file names is n log n). On a shared machine one
-    slow run moves the ratio by 10%, so each size runs twice, the best run counts, and 10% is allowed."""
+    slow run moves the ratio by 10% or more (4.40x with `make test`'s other pytest-xdist worker on the second
+    core), so each size runs twice, the best run counts, and 5.5x is allowed: a quadratic submit is 16x."""
     session = make_session(tmp_path / "alice", db_url, service, shard_size=100)
     try:
         small, large = notes(tmp_path / "small", 2_500), notes(tmp_path / "large", 10_000)
@@ -251,7 +252,7 @@ def test_submit_time_is_linear(tmp_path, db_url, service):
         session.close()
     t_small, t_large = (min(times) for times in zip(*runs, strict=True))
     print(f"submit: 2,500 documents {t_small:.2f} s, 10,000 {t_large:.2f} s, {t_large / t_small:.2f}x")
-    assert t_large <= 4.4 * t_small, runs
+    assert t_large <= 5.5 * t_small, runs
 
 
 @pytest.mark.slow  # about 20 s per back-end on 2 cores
