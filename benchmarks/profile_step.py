@@ -1,17 +1,20 @@
 """Where one engine step spends its time: torch.profiler over prefill and decode steps of a preset model.
 
     python benchmarks/profile_step.py [--preset qwen3.5-35b-a3b|tiny] [--out DIR] [--rows 25]
-        [--quantization fp8] [--cases prefill,decode1,decode64]
+        [--quantization fp8] [--cases prefill,decode1,decode64,mixed]
 
-For each case (a prefill step of 2 x 4096 prompt tokens, decode steps at batch 1 and 64) it prints the
-step's wall time, the device time the profiler saw, the number of kernel launches, and the ops that took
-most device time and most host time. Tables go to stdout and, with --out, to DIR/profile_<case>.txt; the
-summary to DIR/profile.json.
+For each case (a prefill step of 2 x 4096 prompt tokens, decode steps at batch 1 and 64, and a mixed step of
+512 decoding sequences beside prompt chunks, as workload (h) runs them) it prints the step's wall time, the
+device time the profiler saw, the number of kernel launches, and the ops that took most device time and
+most host time. Take profiles for tuning with ENCLAVE_PDL=0: with PDL a kernel launched early waits inside
+the kernel, and the profiler counts the wait as its time. Tables go to stdout and, with --out, to
+DIR/profile_<case>.txt; the summary to DIR/profile.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -51,7 +54,7 @@ def case(b: Bench, name: str, batch: int, prompt: int, decode: bool, rows: int, 
         while warm.has_work():
             warm.step()
         del warm
-    core = b.core(batch, prompt + 32)
+    core = core_for(b, batch, prompt + 32)
     seqs = b.add(core, batch, prompt, 24, prompt + 32)
     if decode:
         while any(not s.output_ids for s in seqs):
@@ -64,12 +67,18 @@ def case(b: Bench, name: str, batch: int, prompt: int, decode: bool, rows: int, 
         core.step()
         sync(b.device)
         wall = time.perf_counter() - start
+    return case_step(b, core, name, rows, out, None if not decode else wall)
+
+
+def case_step(b: Bench, core, name: str, rows: int, out: Path | None, wall: float | None = None) -> dict:
+    """Profile the core's next step; `wall` the step's time measured without the profiler (None: the
+    profiled step's own)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.device.type == "cuda" else [])
     start = time.perf_counter()
     with profile(activities=activities) as prof:
         core.step()
         sync(b.device)
-    if not decode:
+    if wall is None:
         wall = time.perf_counter() - start
     events = prof.key_averages()
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -87,12 +96,41 @@ def case(b: Bench, name: str, batch: int, prompt: int, decode: bool, rows: int, 
     return {"wall_ms": wall * 1e3, "device_ms": device_us / 1e3, "kernels": launches}
 
 
+def core_for(b: Bench, seqs: int, max_len: int):
+    """`b.core`, with room for the DeltaNet states of more than 64 sequences on CUDA (60 MB each)."""
+    settings = b.settings
+    if b.device.type == "cuda" and seqs > 64:
+        b.settings = dataclasses.replace(settings, kv_cache_bytes=64 * GIB)
+    try:
+        return b.core(seqs, max_len)
+    finally:
+        b.settings = settings
+
+
+def mixed(b: Bench, running: int, waiting: int, prompt: int, rows: int, out: Path | None) -> dict:
+    """`running` sequences decoding beside the prefill of `waiting` more (workload (h)'s steps): prefill the
+    first `running`, then profile the first step that decodes all of them and prefills the others' chunks."""
+    core = core_for(b, running + waiting, prompt + 32)
+    seqs = b.add(core, running + waiting, prompt, 24, prompt + 32)
+    first = seqs[:running]
+    while any(not s.output_ids for s in first) or all(s.output_ids for s in seqs[running:]):
+        core.step()
+        if all(s.output_ids for s in seqs):
+            raise SystemExit("mixed: every prompt was prefilled before a mixed step came")
+    decoding = sum(bool(s.output_ids) for s in seqs)
+    before = core.prompt_tokens
+    result = case_step(b, core, "mixed", rows, out)
+    result.update(decoding=decoding, prefill_tokens=core.prompt_tokens - before)
+    print(f"mixed step: {decoding} decoding, {result['prefill_tokens']} prompt tokens", flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3.5-35b-a3b")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--rows", type=int, default=25)
-    parser.add_argument("--cases", default="prefill,decode1,decode64")
+    parser.add_argument("--cases", default="prefill,decode1,decode64")  # and decode512, mixed
     parser.add_argument("--quantization", choices=("none", "fp8"), default="none")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -103,10 +141,15 @@ def main() -> None:
         "prefill": (2, 512 if small else 4096, False),
         "decode1": (1, 64 if small else 512, True),
         "decode64": (8 if small else 64, 64 if small else 512, True),
+        "decode512": (8 if small else 512, 64 if small else 1024, True),  # (h)'s decode steps
     }
     summary = {}
     with torch.inference_mode():
         for name in args.cases.split(","):
+            if name == "mixed":
+                shape = (8, 4, 1024) if small else (512, 64, 1024)  # 8 x 1024: one step's budget
+                summary[name] = mixed(b, *shape, args.rows, args.out)
+                continue
             batch, prompt, decode = plans[name]
             summary[name] = case(b, name, batch, prompt, decode, args.rows, args.out)
     print(json.dumps(summary, indent=1))

@@ -17,7 +17,7 @@ from engine.kernels.linear import linear
 from engine.kernels.moe import experts as moe_experts
 from engine.kernels.moe import experts_fp8 as moe_experts_fp8
 from engine.kernels.moe import route as moe_route
-from engine.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
+from engine.kernels.norm import add_rms_norm, add_rms_norm_fp8, gated_rms_norm, gated_rms_norm_fp8, rms_norm
 from engine.kernels.qk_norm_rotary import qk_norm_rotary
 from engine.kernels.rotary import apply_rotary, rotary_cos_sin
 from engine.kernels.sampling import sample_filtered
@@ -26,6 +26,7 @@ from engine.kernels.sigmoid_gate import sigmoid_gate
 __all__ = [
     "SeqLayout",
     "add_rms_norm",
+    "add_rms_norm_fp8",
     "apply_rotary",
     "attention",
     "causal_conv1d",
@@ -35,6 +36,7 @@ __all__ = [
     "fp8_block_linear",
     "gated_delta_rule",
     "gated_rms_norm",
+    "gated_rms_norm_fp8",
     "linear",
     "moe_experts",
     "moe_experts_fp8",

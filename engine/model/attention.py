@@ -1,5 +1,7 @@
 """Gated full attention: GQA with q/k norms, partial rotary and a sigmoid output gate."""
 
+from __future__ import annotations
+
 import torch
 from torch import nn
 
@@ -7,7 +9,8 @@ from engine import kernels
 from engine.cache import PagedKV
 from engine.config import ModelConfig
 from engine.kernels import SeqLayout
-from engine.model.linear import Linear
+from engine.kernels.fp8.reference import Fp8Activation
+from engine.model.linear import Linear, fp8_group, project
 from engine.model.norm import RMSNorm
 
 
@@ -27,11 +30,21 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
+    def fp8_input_group(self) -> int | None:
+        """The activation group of an FP8 `qkv_proj` (its input may come quantised), else None."""
+        return fp8_group(self.qkv_proj)
+
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV, layout: SeqLayout
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: PagedKV,
+        layout: SeqLayout,
+        xq: Fp8Activation | None = None,
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        qg, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        qg, k, v = project(self.qkv_proj, x, xq).split(self.split, dim=-1)
         qg = qg.view(t, self.num_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:]  # [T, Hq, D] strided views, read in place
         k, v = k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)

@@ -6,6 +6,7 @@ from torch import nn
 from engine.cache import LinearState, PagedKV
 from engine.config import ModelConfig
 from engine.kernels import SeqLayout
+from engine.kernels.fp8.reference import Fp8Activation
 from engine.model.attention import GatedAttention
 from engine.model.deltanet import GatedDeltaNet
 from engine.model.moe import MLP, SparseMoe
@@ -15,7 +16,8 @@ from engine.model.norm import RMSNorm
 class DecoderLayer(nn.Module):
     """`residual += mixer(norm(residual)); residual += mlp(norm(residual))`, with each residual add fused
     into the norm that reads it: the layer returns its MLP output and the residual stream before that
-    output is added, and the next layer's input norm (or the caller) does the add."""
+    output is added, and the next layer's input norm (or the caller) does the add. Where the mixer's input
+    projection or the MLP's experts are FP8, the norm also quantises its output for them (`add_fp8`)."""
 
     def __init__(self, config: ModelConfig, layer_type: str, moe: bool) -> None:
         super().__init__()
@@ -39,13 +41,32 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H]: the previous layer's MLP output, with `residual` the stream it adds to (None: x is the
         stream itself, as for the first layer). Returns (this layer's MLP output, the stream before it)."""
+        mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+        hq = None
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
-            h, residual = self.input_layernorm.add(x, residual)
+            h, residual, hq = _add_norm(self.input_layernorm, x, residual, _input_group(mixer))
+        extra = () if hq is None else (hq,)
         if self.layer_type == "linear_attention":
-            h = self.linear_attn(h, state, layout)
+            h = self.linear_attn(h, state, layout, *extra)
         else:
-            h = self.self_attn(h, cos, sin, state, layout)
-        h, residual = self.post_attention_layernorm.add(h, residual)
-        return self.mlp(h), residual
+            h = self.self_attn(h, cos, sin, state, layout, *extra)
+        h, residual, hq = _add_norm(self.post_attention_layernorm, h, residual, _input_group(self.mlp))
+        return (self.mlp(h) if hq is None else self.mlp(h, hq)), residual
+
+
+def _input_group(module: nn.Module) -> int | None:
+    """The FP8 activation group `module` takes its input quantised in, or None (a model-dtype module, or one
+    a test put in its place)."""
+    group = getattr(module, "fp8_input_group", None)
+    return group() if group is not None else None
+
+
+def _add_norm(
+    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, group: int | None
+) -> tuple[torch.Tensor, torch.Tensor, Fp8Activation | None]:
+    """(norm(x + residual), x + residual, the normed rows quantised for FP8 consumers of `group`, or None)."""
+    if group is None:
+        return (*norm.add(x, residual), None)
+    return norm.add_fp8(x, residual, group)

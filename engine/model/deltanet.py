@@ -1,5 +1,7 @@
 """Gated DeltaNet linear attention (the `linear_attention` layers)."""
 
+from __future__ import annotations
+
 import torch
 from torch import nn
 
@@ -7,7 +9,8 @@ from engine import kernels
 from engine.cache import LinearState
 from engine.config import ModelConfig
 from engine.kernels import SeqLayout, dispatch
-from engine.model.linear import Linear
+from engine.kernels.fp8.reference import Fp8Activation
+from engine.model.linear import Linear, fp8_group, project
 
 # Sequences up to which short steps take the fused kernel (one program per sequence and value head). H200,
 # bf16, one graphed layer without its MoE: batch 1 48.0 us fused against 53.3 us for the separate kernels;
@@ -63,21 +66,29 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_weight = fused
         return True
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def fp8_input_group(self) -> int | None:
+        """The activation group of an FP8 `in_proj_qkvz` (its input may come quantised), else None."""
+        return None if self.in_proj_weight is not None else fp8_group(self.in_proj_qkvz)
+
+    def project(self, x: torch.Tensor, xq: Fp8Activation | None = None) -> tuple[torch.Tensor, ...]:
         """x [T, hidden] -> qkv [T, conv_dim], z [T, value_dim], b, a [T, Hv]: column views of one or two
-        projection outputs (the kernels below take any token stride)."""
+        projection outputs (the kernels below take any token stride); `xq` x quantised for an FP8
+        in_proj_qkvz."""
         if self.in_proj_weight is not None:
             sizes = (self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads)
             return kernels.linear(x, self.in_proj_weight).split(sizes, dim=-1)
-        qkv, z = self.in_proj_qkvz(x).split((self.conv_dim, self.value_dim), dim=-1)
+        qkv, z = project(self.in_proj_qkvz, x, xq).split((self.conv_dim, self.value_dim), dim=-1)
         b, a = self.in_proj_ba(x).split((self.num_v_heads, self.num_v_heads), dim=-1)
         return qkv, z, b, a
 
-    def forward(self, x: torch.Tensor, state: LinearState, layout: SeqLayout) -> torch.Tensor:
-        qkv, z, b, a = self.project(x)
+    def forward(
+        self, x: torch.Tensor, state: LinearState, layout: SeqLayout, xq: Fp8Activation | None = None
+    ) -> torch.Tensor:
+        qkv, z, b, a = self.project(x, xq)
         if layout.long_seqs or layout.num_seqs > FUSED_MAX_SEQS:
             dispatch.choose("deltanet_layer", "unfused")
-            out = self._unfused(qkv, z, a, b, state, layout)
+            out, out_q = self._unfused(qkv, z, a, b, state, layout)
+            return project(self.out_proj, out, out_q)
         else:  # decode, MTP verify, short chunks of a few sequences: conv, gates, rule and norm in one kernel
             dispatch.choose("deltanet_layer", "fused")
             out = kernels.deltanet_step(
@@ -96,8 +107,11 @@ class GatedDeltaNet(nn.Module):
             )
         return self.out_proj(out)
 
-    def _unfused(self, qkv, z, a, b, state: LinearState, layout: SeqLayout) -> torch.Tensor:
-        """[T, value_dim] gated delta rule output, op by op (layouts with sequences of any length)."""
+    def _unfused(
+        self, qkv, z, a, b, state: LinearState, layout: SeqLayout
+    ) -> tuple[torch.Tensor, Fp8Activation | None]:
+        """[T, value_dim] gated delta rule output, op by op (layouts with sequences of any length); and, for
+        an FP8 out_proj whose group is a value head, the same quantised by the gated norm's kernel."""
         t = qkv.shape[0]
         qkv = kernels.causal_conv1d(qkv, self.conv1d_weight, state.conv, layout)
         q, k, v = qkv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
@@ -111,7 +125,12 @@ class GatedDeltaNet(nn.Module):
             state.recurrent,
             layout,
         )  # [T, Hv, dv]
-        out = kernels.gated_rms_norm(
-            out, z.reshape(t, self.num_v_heads, self.head_v_dim), self.norm_weight, self.eps
-        )
-        return out.reshape(t, self.value_dim)
+        gate = z.reshape(t, self.num_v_heads, self.head_v_dim)
+        if fp8_group(self.out_proj) != self.head_v_dim:
+            return kernels.gated_rms_norm(out, gate, self.norm_weight, self.eps).reshape(
+                t, self.value_dim
+            ), None
+        # One scale per (token, head): the row of each head is one group of out_proj's input.
+        out, xq = kernels.gated_rms_norm_fp8(out, gate, self.norm_weight, self.eps, self.head_v_dim)
+        flat = Fp8Activation(xq.q.reshape(t, self.value_dim), xq.scale.reshape(t, -1), xq.group)
+        return out.reshape(t, self.value_dim), flat

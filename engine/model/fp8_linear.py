@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from engine import kernels
+from engine.kernels.fp8.reference import Fp8Activation
 from engine.model.moe import SparseMoe
 
 # Suffixes of the module names that become Fp8Linear: attention, DeltaNet, shared expert and dense MLP.
@@ -31,7 +32,8 @@ FP8_PROJECTIONS = (
 class Fp8Linear(nn.Module):
     """`x @ W.T (+ bias)` with W [N, K] stored as e4m3 and `weight_scale_inv` [ceil(N/bn), ceil(K/bk)] fp32.
 
-    The forward is the w8a8 block linear: activations are quantised per token and per `block[1]` channels.
+    The forward is the w8a8 block linear: activations are quantised per token and per `block[1]` channels,
+    or come quantised (`xq`, from the norm that produced them; see `engine.model.linear.project`).
     """
 
     def __init__(
@@ -58,8 +60,8 @@ class Fp8Linear(nn.Module):
             dtype = linear.bias.dtype if bias else None
             return cls(linear.in_features, linear.out_features, bias, block, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.fp8_block_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block)
+    def forward(self, x: torch.Tensor, xq: Fp8Activation | None = None) -> torch.Tensor:
+        return kernels.fp8_block_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block, xq)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"

@@ -1,12 +1,16 @@
 """Feed-forward blocks: the sparse MoE with a gated shared expert, and the dense SwiGLU MLP."""
 
+from __future__ import annotations
+
 import torch
 from torch import nn
 
 from engine import kernels
 from engine.config import ModelConfig
 from engine.kernels import dispatch
+from engine.kernels.fp8.reference import Fp8Activation
 from engine.kernels.swiglu import swiglu
+from engine.model.linear import fp8_group, project
 
 
 class MLP(nn.Module):
@@ -18,8 +22,12 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_up_proj(x)))
+    def fp8_input_group(self) -> int | None:
+        """The activation group of an FP8 `gate_up_proj` (its input may come quantised), else None."""
+        return fp8_group(self.gate_up_proj)
+
+    def forward(self, x: torch.Tensor, xq: Fp8Activation | None = None) -> torch.Tensor:
+        return self.down_proj(swiglu(project(self.gate_up_proj, x, xq)))
 
 
 def _hooked(*modules: nn.Module) -> bool:
@@ -125,15 +133,21 @@ class SparseMoe(nn.Module):
         ids: torch.Tensor,
         shared_out: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
+        xq: Fp8Activation | None = None,
     ) -> torch.Tensor:
         w = (self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv)
-        return kernels.moe_experts_fp8(x, *w, weights, ids, self.fp8_block, shared_out, shared_gate)
+        return kernels.moe_experts_fp8(x, *w, weights, ids, self.fp8_block, shared_out, shared_gate, xq)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fp8_input_group(self) -> int | None:
+        """The activation group of FP8 experts (their input may come quantised), else None."""
+        return self.fp8_block[1] if self.fp8_block is not None else None
+
+    def forward(self, x: torch.Tensor, xq: Fp8Activation | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; `xq`: x quantised for FP8 experts by the norm that produced it."""
         if self.shared_expert is None:
             weights, ids = kernels.moe_route(self.gate(x), self.top_k, self.renormalize)
             if self.fp8_block is not None:
-                return self._fp8_experts(x, weights, ids)
+                return self._fp8_experts(x, weights, ids, xq=xq)
             return kernels.moe_experts(x, self.w13, self.w2, weights, ids)
         if _hooked(self.gate, self.shared_expert_gate):
             logits = torch.cat([self.gate(x), self.shared_expert_gate(x)], dim=-1)
@@ -149,12 +163,12 @@ class SparseMoe(nn.Module):
             return kernels.moe_experts(x, self.w13, self.w2, weights, ids, gate_up.weight, down.weight)
         if self._stacked is not None and not _hooked(shared, gate_up, down):
             dispatch.choose("moe_shared_expert", "fused")
-            return kernels.moe_experts_fp8(x, *self._stacked, weights, ids, self.fp8_block)
+            return kernels.moe_experts_fp8(x, *self._stacked, weights, ids, self.fp8_block, xq=xq)
         k = self.top_k  # an FP8 shared expert, or FP8 experts: on its own, added with its slot's weight
         dispatch.choose("moe_shared_expert", "separate")
-        shared = self.shared_expert(x)
+        shared = self.shared_expert(x, xq) if self.shared_expert.fp8_input_group() else self.shared_expert(x)
         if self.fp8_block is not None:
-            return self._fp8_experts(x, weights[:, :k], ids[:, :k], shared, weights[:, k])
+            return self._fp8_experts(x, weights[:, :k], ids[:, :k], shared, weights[:, k], xq)
         return kernels.moe_experts(
             x, self.w13, self.w2, weights[:, :k], ids[:, :k], shared_out=shared, shared_gate=weights[:, k]
         )

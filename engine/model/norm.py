@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from engine import kernels
+from engine.kernels.fp8.reference import Fp8Activation
 
 
 class RMSNorm(nn.Module):
@@ -20,3 +21,10 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual) in one kernel; the sum is rounded to x's dtype first."""
         return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def add_fp8(
+        self, x: torch.Tensor, residual: torch.Tensor, group: int
+    ) -> tuple[torch.Tensor, torch.Tensor, Fp8Activation]:
+        """`add`, with the normed output also quantised per token and `group` channels for the FP8
+        projections or experts that read it, in the same kernel."""
+        return kernels.add_rms_norm_fp8(x, residual, self.weight, self.eps, group)

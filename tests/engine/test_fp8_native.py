@@ -269,7 +269,14 @@ def test_generation_with_triton_fp8_kernels(native, monkeypatch):
     prompt = PROMPTS[2][: gemv.MAX_PAIRS // top_k + 1]
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     reference_tokens = native.generate([prompt], params)[0].token_ids
-    fp8_ops, calls, variants = ("fp8_block_linear", "quantize_fp8_per_token_group", "moe_experts_fp8"), [], []
+    fp8_ops = (
+        "fp8_block_linear",
+        "quantize_fp8_per_token_group",
+        "moe_experts_fp8",
+        "add_rms_norm_fp8",
+        "gated_rms_norm_fp8",
+    )
+    calls, variants = [], []
 
     # The FP8 ops through Triton (its interpreter on the CPU), every other op through its reference.
     def pick(op, like):
@@ -281,4 +288,5 @@ def test_generation_with_triton_fp8_kernels(native, monkeypatch):
     monkeypatch.setattr(dispatch, "choose", lambda op, impl: (variants.append((op, impl)), choose(op, impl)))
     assert native.generate([prompt], params)[0].token_ids == reference_tokens
     assert "fp8_block_linear" in calls and "moe_experts_fp8" in calls
+    assert "add_rms_norm_fp8" in calls  # the norms quantise x for the FP8 projections and experts
     assert {impl for op, impl in variants if op == "moe_experts_fp8"} == {"triton-grouped", "triton-gemv"}

@@ -4,6 +4,7 @@ import torch
 
 from engine.kernels import dispatch
 from engine.kernels.fp8 import reference
+from engine.kernels.fp8.reference import Fp8Activation
 
 dispatch.register("dequantize_block_fp8", torch=reference.dequantize_block_fp8)
 dispatch.register(
@@ -56,11 +57,13 @@ def fp8_block_linear(
     weight_scale_inv: torch.Tensor,
     bias: torch.Tensor | None = None,
     block: tuple[int, int] = (128, 128),
+    xq: Fp8Activation | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` as a w8a8 block-FP8 GEMM (DeepSeek-V3 / vLLM semantics), weight kept in e4m3.
 
-    x is quantised per token and per `block[1]` channels; each K block's e4m3 product is scaled by the token's
-    and the weight block's scales and summed in fp32.
+    x is quantised per token and per `block[1]` channels (or read from `xq`, x quantised already by the op
+    that produced it); each K block's e4m3 product is scaled by the token's and the weight block's scales and
+    summed in fp32.
 
     Args:
         x: [..., K] activations.
@@ -69,7 +72,8 @@ def fp8_block_linear(
             partial).
         bias: optional [N].
         block: (rows, cols) of a weight scale block.
+        xq: x quantised per token and `block[1]` channels (ignored when its group or shape differ).
     Returns:
         [..., N] in x's dtype.
     """
-    return dispatch.pick("fp8_block_linear", x)(x, weight, weight_scale_inv, bias, block)
+    return dispatch.pick("fp8_block_linear", x)(x, weight, weight_scale_inv, bias, block, xq)

@@ -24,12 +24,14 @@ CONFIG_DIR = Path(__file__).with_name("configs")
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One launch of the block-FP8 GEMM: its M and N tiles (K is the scale block), warps and stages."""
+    """One launch of the block-FP8 GEMM: its M and N tiles (K is the scale block), warps, stages, and K splits
+    (small batches: more programs streaming the weight, the last split of each tile summing)."""
 
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 4
+    split_k: int = 1
 
 
 def table_key(n: int, k: int) -> str:

@@ -1,5 +1,9 @@
 """Plain-torch block-scaled FP8: weight (de)quantisation, the per-token-group activation quantiser and the
-w8a8 block linear."""
+w8a8 block linear; `Fp8Activation`, activations quantised once by the op that produces them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +37,31 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[tor
     return q.to(torch.float8_e4m3fn), scale
 
 
+@dataclass(frozen=True)
+class Fp8Activation:
+    """x quantised per token and `group` channels, as `quantize_fp8_per_token_group` returns it: e4m3 `q`
+    [..., K] and fp32 `scale` [..., ceil(K/group)].
+
+    Made once by the op that produces x (the residual add + RMSNorm before a layer's FP8 projections and FP8
+    experts, the DeltaNet gated norm before out_proj), so that the FP8 GEMMs reading x run no quantiser of
+    their own. A consumer whose scale block is not `group` quantises x itself."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    group: int
+
+    def fits(self, x: torch.Tensor, group: int) -> bool:
+        """Whether this is x [..., K] quantised in `group`-channel groups (else the consumer quantises x)."""
+        return self.group == group and self.q.shape == x.shape
+
+
+def quantized(x: torch.Tensor, group: int, xq: Fp8Activation | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 x, scales): `xq`'s when it is x quantised in `group`-channel groups, else x quantised now."""
+    if xq is not None and xq.fits(x, group):
+        return xq.q, xq.scale
+    return quantize_fp8_per_token_group(x, group)
+
+
 def quantize_block_fp8_weight(
     weight: torch.Tensor, block: tuple[int, int] = (128, 128)
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,12 +85,14 @@ def fp8_block_linear(
     weight_scale_inv: torch.Tensor,
     bias: torch.Tensor | None = None,
     block: tuple[int, int] = (128, 128),
+    xq: Fp8Activation | None = None,
 ) -> torch.Tensor:
     # x [..., K]; weight [N, K] e4m3; weight_scale_inv [ceil(N/bn), ceil(K/bk)] -> [..., N] in x's dtype.
-    # x is quantised per token and per bk channels, then both sides are dequantised and multiplied in fp32:
-    # equal, up to fp32 summation order, to summing the K blocks' e4m3 products times x_scale * w_scale.
+    # x is quantised per token and per bk channels (or taken from `xq`), then both sides are dequantised and
+    # multiplied in fp32: equal, up to fp32 summation order, to summing the K blocks' e4m3 products times
+    # x_scale * w_scale.
     k = x.shape[-1]
-    x_q, x_scale = quantize_fp8_per_token_group(x, block[1])
+    x_q, x_scale = quantized(x, block[1], xq)
     x_deq = x_q.float() * x_scale.repeat_interleave(block[1], dim=-1)[..., :k]
     w_deq = dequantize_block_fp8(weight, weight_scale_inv, block, torch.float32)  # [N, K]
     y = x_deq @ w_deq.T

@@ -20,6 +20,7 @@ from engine.kernels import dispatch
 from engine.kernels.fp8 import reference
 from engine.kernels.fp8.config import GemmConfig, tuned_config
 from engine.kernels.fp8.quant import has_fp8_dot, quantize_fp8_per_token_group
+from engine.kernels.fp8.reference import Fp8Activation
 from engine.kernels.linear import triton as linear_triton
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
@@ -38,10 +39,13 @@ def _block_fp8_matmul_kernel(
     b_s,  # [NB, KB] fp32 weight block scales
     bias,  # [N] (only read if HAS_BIAS)
     c,  # [M, N] output
+    part,  # [SPLIT_K, M, N] fp32 partial sums (only with SPLIT_K > 1)
+    counters,  # [tiles] int32 zeros, one per (M tile, N tile) (only with SPLIT_K > 1; left zero)
     M,
     N,
     K,
     GROUP_N,  # weight rows per scale block
+    kb_per_split,  # K blocks each split walks
     stride_am,
     stride_ak,
     stride_asm,
@@ -58,10 +62,11 @@ def _block_fp8_matmul_kernel(
     GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     USE_FP8_DOT: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1,
     PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
     pdl_wait(PDL)
-    pid = tl.program_id(0)
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     first_m = (pid // (GROUP_M * num_n)) * GROUP_M
     group_rows = tl.minimum(num_m - first_m, GROUP_M)
@@ -73,13 +78,15 @@ def _block_fp8_matmul_kernel(
     o_k = tl.arange(0, BLOCK_K)
     m_m = o_m < M
     m_n = o_n < N
-    p_a = a + o_m[:, None] * stride_am + o_k[None, :] * stride_ak  # [BM, BK]
-    p_b = b + o_n[None, :] * stride_bn + o_k[:, None] * stride_bk  # [BK, BN]
+    kb_begin = pid_k * kb_per_split
+    kb_end = tl.minimum(tl.cdiv(K, BLOCK_K), kb_begin + kb_per_split)
+    p_a = a + o_m[:, None] * stride_am + (kb_begin * BLOCK_K + o_k)[None, :] * stride_ak  # [BM, BK]
+    p_b = b + o_n[None, :] * stride_bn + (kb_begin * BLOCK_K + o_k)[:, None] * stride_bk  # [BK, BN]
     p_as = a_s + o_m * stride_asm  # [BM]
     p_bs = b_s + (o_n // GROUP_N) * stride_bsn  # [BN]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(kb_begin, kb_end):
         m_k = o_k < K - kb * BLOCK_K
         b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)
         b_b = tl.load(p_b, mask=m_k[:, None] & m_n[None, :], other=0.0)
@@ -92,10 +99,26 @@ def _block_fp8_matmul_kernel(
         p_a += BLOCK_K * stride_ak
         p_b += BLOCK_K * stride_bk
 
-    if HAS_BIAS:
-        acc += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
-    p_c = c + o_m[:, None] * stride_cm + o_n[None, :] * stride_cn
-    tl.store(p_c, acc.to(c.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+    mask = m_m[:, None] & m_n[None, :]
+    last = True
+    if SPLIT_K > 1:
+        # Each split stores its fp32 sums; the last split of the tile to finish (a per-tile counter, acq_rel,
+        # as in `linear.triton`) adds them in split order, so the result is the same every run.
+        p_part = part + o_m[:, None] * N + o_n[None, :]  # [BM, BN] of split 0, contiguous [S, M, N]
+        tl.store(p_part + pid_k * M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial sums stored before the increment releases them
+        last = tl.atomic_add(counters + pid, 1, sem="acq_rel") == SPLIT_K - 1
+        if last:
+            tl.store(counters + pid, 0)
+            tl.debug_barrier()  # the acquire before every thread's loads of the other splits' sums
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in range(SPLIT_K):
+                acc += tl.load(p_part + split * M * N, mask=mask, other=0.0)
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        p_c = c + o_m[:, None] * stride_cm + o_n[None, :] * stride_cn
+        tl.store(p_c, acc.to(c.dtype.element_ty), mask=mask)
 
 
 def gemm_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
@@ -113,13 +136,16 @@ def fp8_block_linear(
     weight_scale_inv: torch.Tensor,
     bias: torch.Tensor | None = None,
     block: tuple[int, int] = (128, 128),
+    xq: Fp8Activation | None = None,
 ) -> torch.Tensor:
+    xq = xq if xq is not None and xq.fits(x, block[1]) else None
     if linear_triton.fits(x, weight, linear_triton.FP8_PREFER_MAX_ROWS):
-        # Wide outputs: x quantised once by its own launch (every program would repeat it inline).
+        # Wide outputs: x quantised once by its own launch (every program would repeat it inline); x that
+        # comes quantised is read as it is, at any width.
         wide = weight.shape[0] > linear_triton.FP8_PREFER_MAX_N
         dispatch.choose("fp8_block_linear", "triton-gemv")
-        return linear_triton.fp8_linear(x, weight, weight_scale_inv, bias, block, prequantize=wide)
-    return fp8_block_gemm(x, weight, weight_scale_inv, bias, block)
+        return linear_triton.fp8_linear(x, weight, weight_scale_inv, bias, block, prequantize=wide, xq=xq)
+    return fp8_block_gemm(x, weight, weight_scale_inv, bias, block, xq=xq)
 
 
 def fp8_block_gemm(
@@ -130,10 +156,11 @@ def fp8_block_gemm(
     block: tuple[int, int] = (128, 128),
     *,
     config: GemmConfig | None = None,
+    xq: Fp8Activation | None = None,
 ) -> torch.Tensor:
     """`fp8_block_linear` as the quantiser launch and the tensor-core GEMM, at any token count (larger
     batches; benchmarks compare the few-token kernel with it). `config`: the GEMM's tiles (default:
-    `gemm_config`)."""
+    `gemm_config`); `xq`: x already quantised (no quantiser launch)."""
     bn, bk = block
     if bk < 16 or bk & (bk - 1):
         # BLOCK_K is the K scale block and tl.dot needs a power of two >= 16; real checkpoints use 128.
@@ -143,26 +170,38 @@ def fp8_block_gemm(
     dispatch.choose("fp8_block_linear", "triton-gemm")
     k = x.shape[-1]
     n = weight.shape[0]
-    x_q, x_s = quantize_fp8_per_token_group(
-        x.reshape(math.prod(x.shape[:-1]), k), bk
-    )  # [M, K] e4m3, [M, KB] fp32
+    rows = math.prod(x.shape[:-1])
+    if xq is not None and xq.fits(x, bk):
+        x_q, x_s = xq.q.reshape(rows, k), xq.scale.reshape(rows, -1)
+    else:
+        x_q, x_s = quantize_fp8_per_token_group(x.reshape(rows, k), bk)  # [M, K] e4m3, [M, KB] fp32
     m = x_q.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m > 0 and n > 0:
         config = config or gemm_config(m, n, k, x.device)
-        block_m, block_n, num_warps, num_stages = astuple(config)
-        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-        _block_fp8_matmul_kernel[grid](
+        block_m, block_n, num_warps, num_stages, split_k = astuple(config)
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        k_blocks = triton.cdiv(k, bk)
+        per_split = triton.cdiv(k_blocks, max(1, min(split_k, k_blocks)))
+        split_k = triton.cdiv(k_blocks, per_split)
+        counters = linear_triton.tile_counters(x.device, tiles) if split_k > 1 else None
+        if counters is None:  # no split, or no counters to be had (a first use inside a graph capture)
+            split_k, per_split = 1, k_blocks
+        part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+        _block_fp8_matmul_kernel[(tiles, split_k)](
             x_q,
             x_s,
             weight,
             weight_scale_inv,
             bias if bias is not None else out,
             out,
+            part,
+            counters if counters is not None else out,
             m,
             n,
             k,
             bn,
+            per_split,
             x_q.stride(0),
             x_q.stride(1),
             x_s.stride(0),
@@ -179,6 +218,7 @@ def fp8_block_gemm(
             GROUP_M=_GROUP_M,
             HAS_BIAS=bias is not None,
             USE_FP8_DOT=has_fp8_dot(x.device),
+            SPLIT_K=split_k,
             num_warps=num_warps,
             num_stages=num_stages,
             **pdl_launch(),

@@ -50,7 +50,7 @@ import triton.language as tl
 
 from engine.kernels import dispatch
 from engine.kernels.fp8.quant import quantize_fp8_per_token_group, quantize_rows
-from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX
+from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX, Fp8Activation
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
 MAX_ROWS = 8  # token rows up to which `linear` takes this kernel
@@ -249,10 +249,11 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
 
 
-def _counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The shared tile counters, or None where the launch must sum with `_sum_splits_kernel` instead: more
-    tiles than counters, or a first use inside a CUDA graph capture (they are made by an eager call, such
-    as a capture's warm-up, outside the graph's memory pool)."""
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The shared tile counters of split-K launches that sum in their last split (this kernel's, the block-FP8
+    GEMM's), or None where the launch must not use them: more tiles than counters, or a first use inside a
+    CUDA graph capture (they are made by an eager call, such as a capture's warm-up, outside the graph's
+    memory pool)."""
     if tiles > _MAX_COUNTERS:
         return None
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -298,26 +299,30 @@ def run_kernel(
     block: tuple[int, int] | None,
     tiles: LinearTiles,
     prequantize: bool = False,
+    xq: Fp8Activation | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x's dtype on the kernel at any M (`linear` and
     `fp8_linear` check `fits` first; benchmarks time it above MAX_ROWS); `scale` and `block` with e4m3
     weights, else None. `prequantize` (FP8 only): quantise x once with the quantiser kernel instead of in
-    every program."""
+    every program; `xq` (FP8 only): x quantised already, read as it is."""
     m, k = x.shape
     n = weight.shape[0]
     out_dtype = x.dtype
     use_fp8 = scale is not None
     bn, bk = block if use_fp8 else (1, None)
-    x_quant = use_fp8 and prequantize
+    given = use_fp8 and xq is not None and xq.group == bk and xq.q.numel() == x.numel()
+    x_quant = use_fp8 and (prequantize or given)
     xs = x
-    if x_quant:
+    if given:
+        x, xs = xq.q.reshape(m, k), xq.scale.reshape(m, -1)  # [M, K] e4m3, [M, ceil(K/bk)] fp32
+    elif x_quant:
         x, xs = quantize_fp8_per_token_group(x, bk)  # [M, K] e4m3, [M, ceil(K/bk)] fp32
     p = plan(m, n, k, weight.element_size(), bk, tiles, _sm_count(x.device))
     splits = p["splits"]
     n_tiles = triton.cdiv(n, tiles.block_n)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out[None]
-    counters = _counters(x.device, n_tiles) if splits > 1 else None
+    counters = tile_counters(x.device, n_tiles) if splits > 1 else None
     sn, sk = scale.stride() if use_fp8 else (0, 0)
     xsm, xsk = xs.stride() if x_quant else (0, 0)
     stride_b = bias.stride(0) if bias is not None else 0
@@ -400,10 +405,12 @@ def fp8_linear(
     *,
     tiles: LinearTiles | None = None,
     prequantize: bool = False,
+    xq: Fp8Activation | None = None,
 ) -> torch.Tensor:
     """The W8A8 block-FP8 linear (`fp8.reference.fp8_block_linear`) for x that `fits` (up to FP8_MAX_ROWS
     rows), x quantised per token and bk channels inside the kernel, or once before it with `prequantize`
-    (the quantiser kernel, then `FP8Q_TILES` by default: the same products and sums).
+    (the quantiser kernel, then `FP8Q_TILES` by default: the same products and sums), or read from `xq`
+    where the op that produced x quantised it (`FP8Q_TILES` too).
 
     Args:
         x: [..., K] fp16, bf16 or fp32.
@@ -414,12 +421,14 @@ def fp8_linear(
         block: (bn, bk), weight rows and channels per scale; any sizes.
         tiles: tile sizes; the defaults suit the real shapes on an H200.
         prequantize: quantise x in its own launch first.
+        xq: x quantised per token and bk channels (`Fp8Activation`); ignored if its group is not bk.
     Returns:
         [..., N] in x's dtype.
     """
     if not fits(x, weight, FP8_MAX_ROWS):
         raise ValueError(f"fp8_linear takes 1..{FP8_MAX_ROWS} rows of fp16/bf16/fp32 x; check `fits` first")
     k, n = x.shape[-1], weight.shape[0]
-    tiles = tiles or (FP8Q_TILES if prequantize else FP8_TILES)
-    out = run_kernel(x.reshape(-1, k), weight, weight_scale_inv, bias, block, tiles, prequantize)
+    xq = xq if xq is not None and xq.group == block[1] else None
+    tiles = tiles or (FP8Q_TILES if prequantize or xq is not None else FP8_TILES)
+    out = run_kernel(x.reshape(-1, k), weight, weight_scale_inv, bias, block, tiles, prequantize, xq)
     return out.view(*x.shape[:-1], n)

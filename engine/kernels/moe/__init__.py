@@ -5,6 +5,7 @@ expert-sorted pair order the grouped GEMMs use."""
 import torch
 
 from engine.kernels import dispatch
+from engine.kernels.fp8.reference import Fp8Activation
 from engine.kernels.moe import reference
 
 dispatch.register("moe_route", torch=reference.route, triton="engine.kernels.moe.triton:route")
@@ -67,6 +68,7 @@ def experts_fp8(
     block: tuple[int, int] = (128, 128),
     shared_out: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
+    xq: Fp8Activation | None = None,
 ) -> torch.Tensor:
     """`experts` with block-FP8 expert weights, as W8A8 (DeepSeek-V3 / vLLM block FP8): x, and the SwiGLU
     output act (rounded to x's dtype), are quantised to e4m3 per token and per `block[1]` channels, and each
@@ -83,10 +85,11 @@ def experts_fp8(
         block: (bn, bk) rows and columns of a weight scale block; bk is also the activation group.
         shared_out, shared_gate: [T, H] and [T], the shared expert run elsewhere (FP8 `Fp8Linear`s) and its
             weight, added as shared_gate * shared_out.
+        xq: x quantised per token and bk channels by the op that produced it (ignored if its group differs).
     Returns:
         [T, H] in x's dtype.
     """
-    args = (x, w13, w13_scale, w2, w2_scale, weights, ids, block, shared_out, shared_gate)
+    args = (x, w13, w13_scale, w2, w2_scale, weights, ids, block, shared_out, shared_gate, xq)
     return dispatch.pick("moe_experts_fp8", x)(*args)
 
 

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from engine.kernels import dispatch
 from engine.kernels.fp8.quant import has_fp8_dot, quantize_fp8_per_token_group
+from engine.kernels.fp8.reference import Fp8Activation
 from engine.kernels.moe import gemv, reference
 from engine.kernels.moe.align import align_block_size
 from engine.kernels.moe.combine import combine
@@ -210,8 +211,10 @@ def fused_experts(
     config: ExpertsConfig,
     shared_out: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
+    xq: Fp8Activation | None = None,
 ) -> torch.Tensor:
-    """`experts` with explicit tiles (their BLOCK_K is ignored: it is bk); bk a power of two >= 16, T > 0."""
+    """`experts` with explicit tiles (their BLOCK_K is ignored: it is bk); bk a power of two >= 16, T > 0;
+    `xq`: x quantised already (no quantiser launch for x)."""
     t, hidden = x.shape
     num_experts, _, inter = w2.shape
     bn, bk = block
@@ -222,7 +225,10 @@ def fused_experts(
     table = (sorted_pairs, block_experts, block_rows)
     common = dict(NUM_SLOTS=slots, BLOCK_K=bk, USE_FP8_DOT=has_fp8_dot(x.device))
 
-    xq, xs = quantize_fp8_per_token_group(x, bk)  # [T, H] e4m3, [T, ceil(H/bk)] fp32
+    if xq is not None and xq.fits(x, bk):
+        xq, xs = xq.q, xq.scale  # [T, H] e4m3, [T, ceil(H/bk)] fp32
+    else:
+        xq, xs = quantize_fp8_per_token_group(x, bk)
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # [T*S, I]
     tiles = config.gate_up
     _fp8_gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles.block_n))](
@@ -268,6 +274,7 @@ def experts(
     block: tuple[int, int] = (128, 128),
     shared_out: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
+    xq: Fp8Activation | None = None,
 ) -> torch.Tensor:
     """`moe.experts_fp8` on Triton; x [T, H] -> [T, H]."""
     args = (x, w13, w13_scale, w2, w2_scale, weights, ids, block, shared_out, shared_gate)
@@ -278,7 +285,7 @@ def experts(
     shapes = x.dim() == ids.dim() == 2 and x.shape[0] > 0 and ids.shape[1] > 0
     if fp8 and shapes and x.dtype in _ACT_DTYPES and ids.numel() <= gemv.MAX_PAIRS:
         dispatch.choose("moe_experts_fp8", "triton-gemv")
-        return gemv.experts_fp8(*args)  # a few tokens: stream each pair's expert rows, no align
+        return gemv.experts_fp8(*args, xq=xq)  # a few tokens: stream each pair's expert rows, no align
     if bk < 16 or bk & (bk - 1) or not (fp8 and shapes and x.dtype in _ACT_DTYPES):
         reason = dispatch.first_failed(
             (x.shape[0] > 0 and ids.shape[-1] > 0, dispatch.EMPTY),
@@ -288,9 +295,9 @@ def experts(
             (bk >= 16 and not bk & (bk - 1), "scale block K is not a power of two >= 16 (tl.dot)"),
         )
         dispatch.fallback("moe_experts_fp8", reason, expected=reason == dispatch.EMPTY, x=x, w13=w13, ids=ids)
-        return reference.fp8_experts(*args)
+        return reference.fp8_experts(*args, xq)
     dispatch.choose("moe_experts_fp8", "triton-grouped")
     config = choose(x.shape[0], x, w2, ids.shape[1], bk)
     return fused_experts(
-        x, w13, w13_scale, w2, w2_scale, weights, ids, block, config, shared_out, shared_gate
+        x, w13, w13_scale, w2, w2_scale, weights, ids, block, config, shared_out, shared_gate, xq
     )

@@ -26,7 +26,9 @@ same rows at about the same time, mostly from L2.
 FP8 (`experts_fp8`): e4m3 weights with block scales; the activation (x, then act rounded to x's dtype) is
 quantised per token and K group inside each program with `fp8.quant.quantize_rows` (as
 `fp8.reference.quantize_fp8_per_token_group`), and each K group's e4m3 products sum exactly in fp32 before
-the x_scale * w_scale multiply: W8A8 as `fp8.reference.fp8_block_linear`.
+the x_scale * w_scale multiply: W8A8 as `fp8.reference.fp8_block_linear`. When x comes quantised already
+(`xq`, from the norm before the block), gate_up reads its e4m3 values and scales instead of quantising x
+again in each of its programs (64 per pair at the real shapes).
 Everything is chosen from shapes, so the three launches can be captured in a CUDA graph.
 """
 
@@ -40,7 +42,7 @@ import triton.language as tl
 
 from engine.kernels import dispatch
 from engine.kernels.fp8.quant import quantize_rows
-from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX
+from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX, Fp8Activation
 from engine.kernels.moe import reference
 from engine.kernels.moe.combine import combine, expert_rows
 from engine.kernels.pdl import pdl_launch, pdl_wait
@@ -70,6 +72,10 @@ class GemvTiles:
     down_warps: int | None = None
 
 
+# FP8 weights: the bf16 tiles until an H200 sweep of FP8 (`benchmarks/fp8_decode_tiles.py --parts gemv`).
+FP8_TILES = GemvTiles()
+
+
 def _k_blocks(k: int, elem_bytes: int, k_bytes: int, group: int | None) -> dict:
     """GROUP (channels per K group: the FP8 scale block, else a power of two of at most 128), its padded width
     BLOCK_C and KG groups per step, from the K size and the bytes per row and step."""
@@ -93,7 +99,8 @@ def _group_sums(w, a, a_scale, w_scale, USE_FP8: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr,  # [T, H]
+    x_ptr,  # [T, H]; e4m3 with X_QUANT
+    xs_ptr,  # [T, ceil(H/bk)] fp32 scales of x, read with X_QUANT
     ids_ptr,  # [T, S] expert ids, any integer dtype; E is the shared expert
     w13_ptr,  # [E, 2I, H]: gate rows, then up rows; e4m3 with USE_FP8
     ws13_ptr,  # [2Is, H] the shared expert's (not with USE_FP8)
@@ -107,6 +114,8 @@ def _gate_up_kernel(
     block_rows,  # bn: weight rows per scale row
     stride_xt,
     stride_xh,
+    stride_xst,
+    stride_xsk,
     stride_it,
     stride_is,
     stride_we,
@@ -124,6 +133,7 @@ def _gate_up_kernel(
     BLOCK_C: tl.constexpr,  # next_power_of_2(GROUP)
     KG: tl.constexpr,  # K groups per step
     USE_FP8: tl.constexpr,
+    X_QUANT: tl.constexpr = False,  # with USE_FP8: x given as e4m3 with its scales
     PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
     pdl_wait(PDL)
@@ -142,6 +152,7 @@ def _gate_up_kernel(
     offs_k = offs_g[:, None] * GROUP + offs_c[None, :]  # [KG, BC] channels of one step
     n_mask = offs_n < inter_e
     x_ptrs = x_ptr + token * stride_xt + offs_k * stride_xh
+    xs_ptrs = xs_ptr + token * stride_xst + offs_g * stride_xsk  # [KG], with X_QUANT
     gate_ptrs = w_ptr + offs_n[:, None, None] * stride_n + offs_k[None, :, :] * stride_wh  # [BN, KG, BC]
     up_ptrs = gate_ptrs + inter_e * stride_n
     gate_s_ptrs = scale_ptr + expert.to(tl.int64) * stride_ce + offs_g[None, :] * stride_ck  # [BN, KG]
@@ -163,11 +174,14 @@ def _gate_up_kernel(
             s_up = tl.load(up_s_ptrs, mask=s_mask, other=0.0)
         xt = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
         x_scale = tl.zeros([KG], dtype=tl.float32)
-        if USE_FP8:  # one group per row, masked channels 0: as the reference quantiser
+        if X_QUANT:  # xt holds x's e4m3 values
+            x_scale = tl.load(xs_ptrs, mask=offs_g * GROUP < hidden - k0, other=0.0)
+        elif USE_FP8:  # one group per row, masked channels 0: as the reference quantiser
             xt, x_scale = quantize_rows(xt, _FP8_MAX, _AMAX_EPS)
         acc_gate += _group_sums(w_gate, xt, x_scale, s_gate, USE_FP8)
         acc_up += _group_sums(w_up, xt, x_scale, s_up, USE_FP8)
         x_ptrs += KG * GROUP * stride_xh
+        xs_ptrs += KG * stride_xsk
         gate_ptrs += KG * GROUP * stride_wh
         up_ptrs += KG * GROUP * stride_wh
         gate_s_ptrs += KG * stride_ck
@@ -259,9 +273,9 @@ def _scale_strides(scale: torch.Tensor | None) -> dict:
     return dict(stride_ce=ce, stride_cn=cn, stride_ck=ck)
 
 
-def _run(x, w13, w2, weights, ids, shared, scales, block, extra, tiles: GemvTiles) -> torch.Tensor:
+def _run(x, w13, w2, weights, ids, shared, scales, block, extra, tiles: GemvTiles, xq=None) -> torch.Tensor:
     """The three launches; `shared` is (shared_w13, shared_w2) or None, `scales` (w13_scale, w2_scale) with
-    FP8 weights or None, `extra` (shared_out, shared_gate) or None."""
+    FP8 weights or None, `extra` (shared_out, shared_gate) or None; `xq` x quantised already (FP8 only)."""
     t, hidden = x.shape
     num_experts, _, inter = w2.shape
     slots = ids.shape[1]
@@ -279,10 +293,14 @@ def _run(x, w13, w2, weights, ids, shared, scales, block, extra, tiles: GemvTile
     )  # fmt: skip
     down_k_bytes = tiles.down_k_bytes or tiles.k_bytes
 
+    x_quant = use_fp8 and xq is not None
+    xin, xs = (xq.q, xq.scale) if x_quant else (x, x)
     act = torch.empty(n, max(inter, shared_inter), dtype=x.dtype, device=x.device)  # [T*S, I]
     _gate_up_kernel[(n, triton.cdiv(act.shape[1], tiles.up_n))](
-        x_ptr=x, w13_ptr=w13, ws13_ptr=shared_w13, scale_ptr=scale13 if use_fp8 else x, act_ptr=act,
-        scale_rows_up=triton.cdiv(inter, bn), stride_xt=x.stride(0), stride_xh=x.stride(1),
+        x_ptr=xin, xs_ptr=xs, w13_ptr=w13, ws13_ptr=shared_w13, scale_ptr=scale13 if use_fp8 else x,
+        act_ptr=act,
+        scale_rows_up=triton.cdiv(inter, bn), stride_xt=xin.stride(0), stride_xh=xin.stride(1),
+        stride_xst=xs.stride(0) if x_quant else 0, stride_xsk=xs.stride(1) if x_quant else 0, X_QUANT=x_quant,
         stride_we=w13.stride(0), stride_wn=w13.stride(1), stride_wh=w13.stride(2),
         stride_sn=shared_w13.stride(0), **_scale_strides(scale13),
         stride_ap=act.stride(0), stride_ai=act.stride(1),
@@ -367,6 +385,7 @@ def experts_fp8(
     shared_gate: torch.Tensor | None = None,
     *,
     tiles: GemvTiles | None = None,
+    xq: Fp8Activation | None = None,
 ) -> torch.Tensor:
     """W8A8 block-FP8 experts for a few tokens: x and act quantised per token and bk channels, as
     `fp8.reference.fp8_block_linear` does for each projection.
@@ -381,6 +400,7 @@ def experts_fp8(
         block: (bn, bk), weight rows and channels per scale.
         shared_out, shared_gate: [T, H] and [T], that shared expert's output and weight, added as gate * out.
         tiles: tile sizes; the defaults suit the real shapes on an H200.
+        xq: x quantised per token and bk channels already (ignored if its group differs).
     Returns:
         [T, H] in x's dtype.
     """
@@ -388,4 +408,6 @@ def experts_fp8(
         out = torch.zeros_like(x)
         return out if shared_out is None else out + shared_gate.to(x.dtype)[:, None] * shared_out
     extra = (shared_out, shared_gate) if shared_out is not None else None
-    return _run(x, w13, w2, weights, ids, None, (w13_scale, w2_scale), block, extra, tiles or GemvTiles())
+    xq = xq if xq is not None and xq.fits(x, block[1]) else None
+    scales = (w13_scale, w2_scale)
+    return _run(x, w13, w2, weights, ids, None, scales, block, extra, tiles or FP8_TILES, xq)

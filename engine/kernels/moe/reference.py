@@ -1,10 +1,12 @@
 """Plain-torch MoE: top-k routing, the experts' SwiGLU summed over each token's slots (model-dtype or
 block-FP8 weights), and the sorted, block-padded pair order the grouped GEMMs run over."""
 
+from __future__ import annotations
+
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.fp8.reference import dequantize_block_fp8, quantize_fp8_per_token_group
+from engine.kernels.fp8.reference import Fp8Activation, dequantize_block_fp8, quantized
 
 
 def route(
@@ -57,9 +59,9 @@ def experts(
     return out
 
 
-def _dequantize_activations(x: torch.Tensor, group: int) -> torch.Tensor:
-    # x [N, K] through the w8a8 activation rounding (per token, per `group` channels), back in fp32.
-    q, scale = quantize_fp8_per_token_group(x, group)
+def _dequantize_activations(x: torch.Tensor, group: int, xq: Fp8Activation | None = None) -> torch.Tensor:
+    # x [N, K] through the w8a8 activation rounding (per token, per `group` channels; or `xq`), back in fp32.
+    q, scale = quantized(x, group, xq)
     return q.float() * scale.repeat_interleave(group, dim=-1)[:, : x.shape[-1]]
 
 
@@ -74,10 +76,12 @@ def fp8_experts(
     block: tuple[int, int] = (128, 128),
     shared_out: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
+    xq: Fp8Activation | None = None,
 ) -> torch.Tensor:
-    # x [T, H]; w13 [E, 2I, H] e4m3 with w13_scale [E, 2 * ceil(I/bn), ceil(H/bk)]: the gate half's row
-    # blocks, then the up half's; w2 [E, H, I] e4m3 with w2_scale [E, ceil(H/bn), ceil(I/bk)]; weights and
-    # ids [T, S] (routed experts only); shared_out [T, H] weighted by shared_gate [T].
+    # x [T, H] (`xq`: x quantised already); w13 [E, 2I, H] e4m3 with w13_scale [E, 2 * ceil(I/bn),
+    # ceil(H/bk)]: the gate half's row blocks, then the up half's; w2 [E, H, I] e4m3 with w2_scale
+    # [E, ceil(H/bn), ceil(I/bk)]; weights and ids [T, S] (routed experts only); shared_out [T, H] weighted
+    # by shared_gate [T].
     # W8A8 as `fp8.reference.fp8_block_linear`: x, and act (first rounded to x's dtype, as the kernel stores
     # it), quantised per token and per bk channels, then multiplied with the dequantised weights in fp32
     # (equal, up to summation order, to summing each K block's e4m3 product times x_scale * w_scale). Each
@@ -85,7 +89,7 @@ def fp8_experts(
     bn, bk = block
     inter = w2.shape[-1]
     half = -(-inter // bn)  # scale rows of each of the gate and up halves
-    x_deq = _dequantize_activations(x, bk)  # [T, H] fp32
+    x_deq = _dequantize_activations(x, bk, xq)  # [T, H] fp32
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():
         gate = dequantize_block_fp8(w13[e, :inter], w13_scale[e, :half], block, torch.float32)  # [I, H]

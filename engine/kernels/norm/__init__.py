@@ -4,6 +4,7 @@ gated norm for DeltaNet outputs."""
 import torch
 
 from engine.kernels import dispatch
+from engine.kernels.fp8.reference import Fp8Activation
 from engine.kernels.norm import reference
 
 dispatch.register("rms_norm", torch=reference.rms_norm, triton="engine.kernels.norm.triton:rms_norm")
@@ -12,6 +13,16 @@ dispatch.register(
 )
 dispatch.register(
     "gated_rms_norm", torch=reference.gated_rms_norm, triton="engine.kernels.norm.triton:gated_rms_norm"
+)
+dispatch.register(
+    "add_rms_norm_fp8",
+    torch=reference.add_rms_norm_fp8,
+    triton="engine.kernels.norm.triton:add_rms_norm_fp8",
+)
+dispatch.register(
+    "gated_rms_norm_fp8",
+    torch=reference.gated_rms_norm_fp8,
+    triton="engine.kernels.norm.triton:gated_rms_norm_fp8",
 )
 
 
@@ -38,3 +49,26 @@ def add_rms_norm(
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`rmsnorm(x) * weight * silu(gate)` over the last dim; x, gate [..., D], weight [D]."""
     return dispatch.pick("gated_rms_norm", x)(x, gate, weight, eps)
+
+
+def add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group: int
+) -> tuple[torch.Tensor, torch.Tensor, Fp8Activation]:
+    """`add_rms_norm`, with its normed output also quantised for the FP8 GEMMs that read it.
+
+    Returns:
+        (normed, total, xq): as `add_rms_norm`, and `xq` the normed rows as e4m3 [..., D] with one fp32 scale
+        per row and `group` channels [..., ceil(D/group)], as `quantize_fp8_per_token_group(normed, group)`.
+    """
+    return dispatch.pick("add_rms_norm_fp8", x)(x, residual, weight, eps, group)
+
+
+def gated_rms_norm_fp8(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group: int
+) -> tuple[torch.Tensor, Fp8Activation]:
+    """`gated_rms_norm`, with its output also quantised for the FP8 projection that reads it.
+
+    Returns:
+        (out, xq): `gated_rms_norm`'s output and `xq` as in `add_rms_norm_fp8`.
+    """
+    return dispatch.pick("gated_rms_norm_fp8", x)(x, gate, weight, eps, group)

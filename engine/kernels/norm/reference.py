@@ -1,7 +1,9 @@
-"""Plain-torch RMSNorm variants of the Qwen3.5/Qwen3-Next family."""
+"""Plain-torch RMSNorm variants of the Qwen3.5/Qwen3-Next family, and with the output quantised for FP8."""
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels.fp8.reference import Fp8Activation, quantize_fp8_per_token_group
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = True) -> torch.Tensor:
@@ -29,3 +31,18 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * xf.to(x.dtype)
     return (out * F.silu(gate.float())).to(x.dtype)
+
+
+def add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group: int
+) -> tuple[torch.Tensor, torch.Tensor, Fp8Activation]:
+    # The normed output, as it is returned, quantised per token and `group` channels.
+    normed, total = add_rms_norm(x, residual, weight, eps)
+    return normed, total, Fp8Activation(*quantize_fp8_per_token_group(normed, group), group)
+
+
+def gated_rms_norm_fp8(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group: int
+) -> tuple[torch.Tensor, Fp8Activation]:
+    out = gated_rms_norm(x, gate, weight, eps)
+    return out, Fp8Activation(*quantize_fp8_per_token_group(out, group), group)

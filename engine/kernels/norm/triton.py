@@ -4,6 +4,12 @@ Each program normalises BR rows of BD (>= D) channels in registers: fp32 sum of 
 scale, and one cast. Inputs are viewed as [A, B, D] with any row strides, so the strided q/k views and the
 DeltaNet gate slices are read in place; outputs are contiguous, as the references' are. With a residual, the
 program first adds it (rounded to x's dtype, as `x + residual` is), stores that sum, and normalises it.
+
+The `_fp8` variants also quantise the normed rows for the FP8 GEMMs that read them (W8A8: e4m3 plus one fp32
+scale per (row, group channels), as `fp8.quant.quantize_fp8_per_token_group` does to the rounded output, bit
+for bit), so no quantiser launch runs between a norm and its FP8 projections or experts. The row is in
+registers already: its [BR, BD] tile is viewed as [BR * BD / GW, GW] groups (GW = min(group, BD), both powers
+of two) and each group's amax, scale and e4m3 values come from `fp8.quant.quantize_rows`.
 """
 
 import torch
@@ -11,6 +17,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels import dispatch
+from engine.kernels.fp8.quant import quantize_rows
+from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX, Fp8Activation
 from engine.kernels.norm import reference
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
@@ -19,6 +27,9 @@ MAX_DIM = 16384
 _WIDE = f"rows of more than {MAX_DIM} channels do not fit one program"
 # Elements of one program's [BR, BD] tile.
 TILE = 4096
+
+_FP8_MAX = tl.constexpr(FP8_MAX)  # globals a kernel reads must be constexprs
+_AMAX_EPS = tl.constexpr(AMAX_EPS)
 
 
 @triton.jit
@@ -29,6 +40,8 @@ def _rms_norm_kernel(
     residual,  # [A, B, D], last dim contiguous (only read if HAS_RESIDUAL)
     out,  # [A * B, D], contiguous
     residual_out,  # [A * B, D], contiguous: x + residual (only written if HAS_RESIDUAL)
+    q_out,  # [A * B, D] e4m3, contiguous (only written if QUANT)
+    s_out,  # [A * B, NG] fp32 scales, contiguous (only written if QUANT)
     stride_xa,
     stride_xb,
     stride_ga,
@@ -38,6 +51,7 @@ def _rms_norm_kernel(
     B,
     R,
     D,
+    NG,  # scale groups per row, ceil(D / group)
     eps,
     BR: tl.constexpr,
     BD: tl.constexpr,
@@ -45,6 +59,8 @@ def _rms_norm_kernel(
     IS_ZERO_CENTERED: tl.constexpr,
     IS_ROUNDED_PRODUCT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    QUANT: tl.constexpr = False,  # also write the output quantised to e4m3 per GW channels
+    GW: tl.constexpr = 128,  # with QUANT: channels per group in the tile, min(group, BD)
     PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
     pdl_wait(PDL)
@@ -77,7 +93,15 @@ def _rms_norm_kernel(
         if IS_ZERO_CENTERED:
             wf = 1.0 + wf
         y = xf * wf[None, :]
-    tl.store(out + p_out, y.to(out.dtype.element_ty), mask=m)
+    y = y.to(out.dtype.element_ty)
+    tl.store(out + p_out, y, mask=m)
+    if QUANT:  # the rounded output, as the quantiser would read it back; masked channels are 0
+        groups = tl.reshape(tl.where(m, y.to(tl.float32), 0.0), (BR * (BD // GW), GW))
+        b_q, scale = quantize_rows(groups, _FP8_MAX, _AMAX_EPS)
+        tl.store(q_out + p_out, tl.reshape(b_q, (BR, BD)).to(tl.float8e4nv), mask=m)
+        o_g = tl.arange(0, BD // GW)
+        p_s = s_out + o_r.to(tl.int64)[:, None] * NG + o_g[None, :]
+        tl.store(p_s, tl.reshape(scale, (BR, BD // GW)), mask=m_r[:, None] & (o_g < NG)[None, :])
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -91,12 +115,18 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[-2:])
 
 
-def _launch(x, weight, eps, zero_centered, gate=None, rounded=False, residual=None):
+def _launch(x, weight, eps, zero_centered, gate=None, rounded=False, residual=None, group=None):
+    """(out, residual_out, xq): `xq` an `Fp8Activation` of out with `group`, else None."""
     d = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(out) if residual is not None else out
+    xq = None
+    if group is not None:
+        ng = triton.cdiv(d, group)
+        q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        xq = Fp8Activation(q, torch.empty(*x.shape[:-1], ng, dtype=torch.float32, device=x.device), group)
     if x.numel() == 0:
-        return out, residual_out
+        return out, residual_out, xq
     x3 = _as_rows(x)
     g3 = _as_rows(gate) if gate is not None else x3
     r3 = _as_rows(residual) if residual is not None else x3
@@ -110,6 +140,8 @@ def _launch(x, weight, eps, zero_centered, gate=None, rounded=False, residual=No
         r3,
         out,
         residual_out,
+        xq.q if xq is not None else out,
+        xq.scale if xq is not None else out,
         x3.stride(0),
         x3.stride(1),
         g3.stride(0),
@@ -119,6 +151,7 @@ def _launch(x, weight, eps, zero_centered, gate=None, rounded=False, residual=No
         x3.shape[1],
         rows,
         d,
+        xq.scale.shape[-1] if xq is not None else 1,
         eps,
         BR=br,
         BD=bd,
@@ -126,10 +159,12 @@ def _launch(x, weight, eps, zero_centered, gate=None, rounded=False, residual=No
         IS_ZERO_CENTERED=zero_centered,
         IS_ROUNDED_PRODUCT=rounded,
         HAS_RESIDUAL=residual is not None,
+        QUANT=xq is not None,
+        GW=min(group, bd) if group is not None else 128,
         num_warps=4 if br * bd <= 4096 else 8,
         **pdl_launch(),
     )
-    return out, residual_out
+    return out, residual_out, xq
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = True) -> torch.Tensor:
@@ -140,6 +175,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     return _launch(x, weight, eps, zero_centered)[0]
 
 
+def _quantizable(group: int) -> bool:
+    # The tile's groups are reshapes of [BR, BD]: a power-of-two group (real checkpoints: 128).
+    return group >= 1 and not group & (group - 1)
+
+
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +188,23 @@ def add_rms_norm(
         reason = _WIDE if x.shape[-1] > MAX_DIM else "residual's shape or dtype differs from x's"
         dispatch.fallback("add_rms_norm", reason, x=x, residual=residual)
         return reference.add_rms_norm(x, residual, weight, eps)
-    return _launch(x, weight, eps, zero_centered=True, residual=residual)
+    return _launch(x, weight, eps, zero_centered=True, residual=residual)[:2]
+
+
+def add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group: int
+) -> tuple[torch.Tensor, torch.Tensor, Fp8Activation]:
+    # `add_rms_norm`, and its normed output quantised per token and `group` channels, in one kernel.
+    wide, same = x.shape[-1] > MAX_DIM, residual.shape == x.shape and residual.dtype == x.dtype
+    if wide or not same or not _quantizable(group):
+        reason = dispatch.first_failed(
+            (not wide, _WIDE),
+            (same, "residual's shape or dtype differs from x's"),
+            (_quantizable(group), "the FP8 group is not a power of two"),
+        )
+        dispatch.fallback("add_rms_norm_fp8", reason, x=x, residual=residual)
+        return reference.add_rms_norm_fp8(x, residual, weight, eps, group)
+    return _launch(x, weight, eps, zero_centered=True, residual=residual, group=group)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -160,3 +216,21 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         return reference.gated_rms_norm(x, gate, weight, eps)
     rounded = weight.dtype == x.dtype and x.dtype != torch.float32
     return _launch(x, weight, eps, zero_centered=False, gate=gate, rounded=rounded)[0]
+
+
+def gated_rms_norm_fp8(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group: int
+) -> tuple[torch.Tensor, Fp8Activation]:
+    # `gated_rms_norm`, and its output quantised per token and `group` channels, in one kernel.
+    wide, same = x.shape[-1] > MAX_DIM, gate.shape == x.shape
+    if wide or not same or not _quantizable(group):
+        reason = dispatch.first_failed(
+            (not wide, _WIDE),
+            (same, "gate's shape differs from x's (broadcast)"),
+            (_quantizable(group), "the FP8 group is not a power of two"),
+        )
+        dispatch.fallback("gated_rms_norm_fp8", reason, x=x, gate=gate)
+        return reference.gated_rms_norm_fp8(x, gate, weight, eps, group)
+    rounded = weight.dtype == x.dtype and x.dtype != torch.float32
+    out, _, xq = _launch(x, weight, eps, False, gate=gate, rounded=rounded, group=group)
+    return out, xq

@@ -233,6 +233,9 @@ def norm() -> None:
                 empty(t, h, dtype=dtype), empty(t, h, dtype=dtype), empty(h, dtype=dtype), eps
             )
     kernels.rms_norm(empty(64, h), empty(h), eps, zero_centered=False)
+    # The residual add + norm that also quantises for the FP8 projections and experts (128-channel groups).
+    for t in TOKENS:
+        kernels.add_rms_norm_fp8(empty(t, h), empty(t, h), empty(h), eps, 128)
     # q and k norms on their own (the model fuses them into qk_norm_rotary): 16 heads, or 2 at 1-8 tokens.
     for t in (1, 2, 4, 8):
         qg, k, _ = qkv_proj_out(t, BF16)
@@ -243,6 +246,8 @@ def norm() -> None:
     for dtype, w_dtype in ((BF16, BF16), (BF16, FP32), (FP32, FP32)):
         z = deltanet_proj_out(64, dtype)[1].view(64, hv, dv)
         kernels.gated_rms_norm(empty(64, hv, dv, dtype=dtype), z, empty(dv, dtype=w_dtype), eps)
+    z = deltanet_proj_out(64, BF16)[1].view(64, hv, dv)  # and quantised for an FP8 out_proj: a head a group
+    kernels.gated_rms_norm_fp8(empty(64, hv, dv), z, empty(dv), eps, dv)
 
 
 def swiglu() -> None:

@@ -99,7 +99,16 @@ def fp8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return empty(n, k, dtype=FP8), empty(blocks(n), blocks(k), dtype=FP32)
 
 
+def quantised(m: int, k: int):
+    """x [m, k] quantised per 128 channels, as the norm before an FP8 projection hands it over."""
+    from engine.kernels.fp8.reference import Fp8Activation
+
+    return Fp8Activation(empty(m, k, dtype=FP8), empty(m, blocks(k), dtype=FP32), 128)
+
+
 def fp8_linear() -> None:
+    from engine.kernels.fp8 import triton as fp8_triton
+    from engine.kernels.fp8.config import GemmConfig
     from engine.kernels.linear import triton as linear_triton
 
     c = qwen()
@@ -124,6 +133,12 @@ def fp8_linear() -> None:
         linear_triton.fp8_linear(empty(1, qkvz[1]), *fp8_weight(*qkvz), tiles=tiles)
         linear_triton.fp8_linear(empty(8, qkvz[1]), *fp8_weight(*qkvz), empty(qkvz[0]), tiles=tiles)
     linear_triton.fp8_linear(empty(1, o_proj[1]), *fp8_weight(*o_proj), prequantize=True)
+    # x quantised by the norm before it: one row (either width), and the GEMM; the GEMM's K splits.
+    for m, (n, k) in ((1, qkvz), (1, o_proj), (64, qkvz)):
+        kernels.fp8_block_linear(empty(m, k), *fp8_weight(n, k), xq=quantised(m, k))
+    for split in (2, 4):
+        config = GemmConfig(64, 64, 4, 4, split)
+        fp8_triton.fp8_block_gemm(empty(64, o_proj[1]), *fp8_weight(*o_proj), config=config)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -189,6 +204,8 @@ def moe_experts_fp8() -> None:
     routed, stacked = fp8_experts(e), fp8_experts(e + 1)
     for t in moe_tokens():  # serving: the FP8 shared expert stacked as expert E (slot k)
         kernels.moe_experts_fp8(empty(t, h), *stacked, *routing(t, k + 1), FP8_BLOCK)
+    for t in (1, 64):  # x quantised by the norm before the block (GEMV, grouped)
+        kernels.moe_experts_fp8(empty(t, h), *stacked, *routing(t, k + 1), FP8_BLOCK, xq=quantised(t, h))
     for t in (1, 24, 64):  # the shared expert on its own, added by the combine (GEMV, both aligns)
         weights, ids = routing(t, k + 1)
         extra = (empty(t, h), weights[:, k])

@@ -145,6 +145,33 @@ FALLBACKS = {
         lambda: kernels.gated_rms_norm(rand(1, W), rand(1, W), torch.ones(W), 1e-6),
         (f"x [1, {W}]", "16384 channels"),
     ),
+    "add_rms_norm_fp8-wide": Fallback(
+        "add_rms_norm_fp8",
+        lambda: kernels.add_rms_norm_fp8(rand(1, W), rand(1, W), torch.zeros(W), 1e-6, 128),
+        (f"x [1, {W}] float32", "16384 channels"),
+    ),
+    "add_rms_norm_fp8-dtype": Fallback(
+        "add_rms_norm_fp8",
+        lambda: kernels.add_rms_norm_fp8(
+            rand(2, 8), rand(2, 8, dtype=torch.float16), torch.zeros(8), 1e-6, 8
+        ),
+        ("residual [2, 8] float16", "residual's shape or dtype differs"),
+    ),
+    "add_rms_norm_fp8-group": Fallback(
+        "add_rms_norm_fp8",
+        lambda: kernels.add_rms_norm_fp8(rand(2, 12), rand(2, 12), torch.zeros(12), 1e-6, 12),
+        ("x [2, 12] float32", "group is not a power of two"),
+    ),
+    "gated_rms_norm_fp8-broadcast": Fallback(
+        "gated_rms_norm_fp8",
+        lambda: kernels.gated_rms_norm_fp8(rand(2, 3, 8), rand(2, 1, 8), torch.ones(8), 1e-6, 8),
+        ("gate [2, 1, 8] float32", "broadcast"),
+    ),
+    "gated_rms_norm_fp8-group": Fallback(
+        "gated_rms_norm_fp8",
+        lambda: kernels.gated_rms_norm_fp8(rand(2, 3, 12), rand(2, 3, 12), torch.ones(12), 1e-6, 12),
+        ("x [2, 3, 12] float32", "group is not a power of two"),
+    ),
     "qk_norm_rotary-wide": Fallback(
         "qk_norm_rotary",
         lambda: kernels.qk_norm_rotary(

@@ -35,6 +35,6 @@ def test_sum_kernel_when_no_counters(monkeypatch, nan_empty):
     x, w, b = case(2, 11, 100, True, seed=3)
     last = linear_triton.run_kernel(x, w, None, b, None, TILES)
     monkeypatch.setattr(linear_triton, "_MAX_COUNTERS", 0)  # more tiles than counters: the sum kernel
-    assert linear_triton._counters(x.device, 3) is None
+    assert linear_triton.tile_counters(x.device, 3) is None
     separate = linear_triton.run_kernel(x, w, None, b, None, TILES)
     assert torch.equal(separate, last)

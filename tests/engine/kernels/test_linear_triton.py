@@ -202,7 +202,7 @@ def test_fp8_block_linear_routes_by_rows(m, monkeypatch):
     calls = []
     small, gemm = linear_triton.fp8_linear, fp8_triton.fp8_block_gemm
     monkeypatch.setattr(linear_triton, "fp8_linear", lambda *a, **k: calls.append("small") or small(*a, **k))
-    monkeypatch.setattr(fp8_triton, "fp8_block_gemm", lambda *a: calls.append("gemm") or gemm(*a))
+    monkeypatch.setattr(fp8_triton, "fp8_block_gemm", lambda *a, **k: calls.append("gemm") or gemm(*a, **k))
     x = fp8_activations(m, 136, torch.float32, seed=2)
     w, scale = fp8_weight(40, 136, (128, 128), seed=3)
     out = fp8_triton.fp8_block_linear(x, w, scale)
