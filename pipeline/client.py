@@ -30,6 +30,10 @@ class ClientError(ValueError):
     """A user error on the client side (bad path, unknown job, job of another client...)."""
 
 
+class UnknownJob(ClientError):
+    """This client has no such job: none by that id, or another client's (which it may not see)."""
+
+
 @dataclass
 class Submitted:
     job_id: str
@@ -296,7 +300,7 @@ def _dispatch(settings: Settings, job_id: str, shards: list[int], priority: int)
 
 
 def job_status(session: ClientSession, job_id: str) -> store.JobStatus:
-    """This client's job `job_id`: its status and document counts. `ClientError` when there is no such job,
+    """This client's job `job_id`: its status and document counts. `UnknownJob` when there is no such job,
     or it is another client's."""
     with session.db.transaction() as s:
         _own_job(s, session, job_id)
@@ -305,7 +309,7 @@ def job_status(session: ClientSession, job_id: str) -> store.JobStatus:
 
 def cancel_job(session: ClientSession, job_id: str) -> bool:
     """Cancel this client's queued or running job (documents already finished keep their results); False
-    when the job had already ended. `ClientError` when there is no such job, or it is another client's."""
+    when the job had already ended. `UnknownJob` when there is no such job, or it is another client's."""
     with session.db.transaction() as s:
         _own_job(s, session, job_id)
         return store.cancel_job(s, job_id, session.fingerprint)
@@ -314,9 +318,9 @@ def cancel_job(session: ClientSession, job_id: str) -> bool:
 def _own_job(s, session: ClientSession, job_id: str) -> Job:
     job = s.get(Job, job_id)
     if job is None:
-        raise ClientError(f"no job {job_id}")
+        raise UnknownJob(f"no job {job_id}")
     if job.client_fingerprint != session.fingerprint:
-        raise ClientError(f"job {job_id} was submitted by another client; only its submitter can see it")
+        raise UnknownJob(f"job {job_id} was submitted by another client; only its submitter can see it")
     return job
 
 

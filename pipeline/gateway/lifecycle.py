@@ -85,7 +85,7 @@ class Lifecycle:
             return None
         try:
             status = client.job_status(self.session, record.job_id)
-        except client.ClientError:
+        except client.UnknownJob:  # any other failure (an outage) is not the job's: the next look retries
             return None
         counts = status.counts
         return JobView(

@@ -120,9 +120,9 @@ def test_status_and_cancel_refuse_another_clients_job(gateway, session, tmp_path
     other = make_session(tmp_path / "bob", db_url, service)
     try:
         for call in (client.job_status, client.cancel_job):
-            with pytest.raises(client.ClientError, match="another client"):
+            with pytest.raises(client.UnknownJob, match="another client"):
                 call(other, job_id)
-            with pytest.raises(client.ClientError, match=r"^no job "):
+            with pytest.raises(client.UnknownJob, match=r"^no job "):
                 call(other, str(uuid.uuid4()))
     finally:
         other.close()
