@@ -572,7 +572,7 @@ def gateway(ctx: click.Context, port: int, host: str, allow_remote: bool, max_up
     """OpenAI's Files and Batch API on this workstation, for the OpenAI SDK (`base_url`): uploaded lines are
     sealed here, results opened here."""
     settings = settings_of(ctx)
-    from pipeline.gateway.server import resolve, serve
+    from pipeline.gateway.server import listen, resolve, serve
 
     try:
         address = resolve(host, port)
@@ -583,6 +583,12 @@ def gateway(ctx: click.Context, port: int, host: str, allow_remote: bool, max_up
             f"refusing to bind {address.host}: the gateway serves opened results; use a loopback address "
             "(127.0.0.1), or pass --allow-remote"
         )
+    try:
+        sock = listen(address)
+    except OSError as exc:
+        raise UserError(
+            f"cannot listen on {address.host}:{port}: {exc.strerror or type(exc).__name__}"
+        ) from None
     _configure_logging(settings)
 
     def ready(url: str, key_file: Path) -> None:
@@ -591,7 +597,7 @@ def gateway(ctx: click.Context, port: int, host: str, allow_remote: bool, max_up
         err.print(f'  export OPENAI_API_KEY="$(cat {key_file})"')
         sys.stdout.flush()
 
-    serve(settings, address, max_upload_mb * 2**20, ready)
+    serve(settings, address, sock, max_upload_mb * 2**20, ready)
 
 
 @cli.group()

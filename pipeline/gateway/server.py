@@ -65,26 +65,36 @@ def api_key(folder: Path) -> tuple[str, Path]:
     return path.read_text().strip(), path
 
 
+def listen(address: Address) -> socket.socket:
+    """A socket bound to `address` (OSError when it cannot be: in use, not this host's)."""
+    sock = socket.socket(address.family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address.host, address.port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def serve(
-    settings: Settings, address: Address, max_upload_bytes: int, ready: Callable[[str, Path], None]
+    settings: Settings,
+    address: Address,
+    sock: socket.socket,
+    max_upload_bytes: int,
+    ready: Callable[[str, Path], None],
 ) -> None:
-    """Serve until interrupted (SIGINT, SIGTERM); `ready(url, key file)` once the socket listens."""
+    """Serve on `sock` until interrupted (SIGINT, SIGTERM); `ready(url, key file)` once it is ready."""
     session = client.ClientSession(settings)
     try:
         store = GatewayStore(settings.home / "gateway", session.identity)
         gateway = Gateway(session, store)
         key, key_file = api_key(store.root)
-        sock = socket.socket(address.family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((address.host, address.port))
-        config = uvicorn.Config(
-            create_app(gateway, key, max_upload_bytes),
-            log_config=None,
-            lifespan="off",
-            timeout_graceful_shutdown=5,
-        )
+        app = create_app(gateway, key, max_upload_bytes)
+        config = uvicorn.Config(app, log_config=None, lifespan="off", timeout_graceful_shutdown=5)
         gateway.lifecycle.resume()
         ready(address.url(sock.getsockname()[1]), key_file)
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         session.close()
+        sock.close()

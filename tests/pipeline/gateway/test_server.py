@@ -3,7 +3,7 @@
 import socket
 
 from pipeline.cli import main
-from pipeline.gateway.server import api_key, resolve
+from pipeline.gateway.server import api_key, listen, resolve
 
 
 def test_a_non_loopback_bind_is_refused_in_one_line(tmp_path, capsys):
@@ -32,3 +32,17 @@ def test_the_api_key_is_made_once_and_private(tmp_path):
     assert key.startswith("sk-enclave-") and len(key) > 40
     assert path.stat().st_mode & 0o777 == 0o600
     assert api_key(tmp_path) == (key, path)
+
+
+def test_a_port_in_use_is_one_line(tmp_path, capsys):
+    taken = listen(resolve("127.0.0.1", 0))
+    try:
+        port = taken.getsockname()[1]
+        taken.listen()
+        assert main(["--home", str(tmp_path), "gateway", "--port", str(port)]) == 1
+        assert (
+            capsys.readouterr().err.strip()
+            == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
+        )
+    finally:
+        taken.close()
