@@ -134,9 +134,6 @@ class Gateway:
             record, seen = self.lifecycle.refresh(self.lifecycle.cancel(record))
         return self._batch_object(record, seen)
 
-    def close(self) -> None:
-        self.lifecycle.session.close()
-
     def _file(self, file_id: str) -> FileRecord:
         record = self.store.file(file_id)
         if record is None:
