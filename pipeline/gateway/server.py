@@ -69,7 +69,8 @@ def listen(address: Address) -> socket.socket:
     """A socket bound to `address` (OSError when it cannot be: in use, not this host's)."""
     sock = socket.socket(address.family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if os.name != "nt":  # a restart reuses its port at once; on Windows the option lets others share it
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((address.host, address.port))
     except OSError:
         sock.close()
