@@ -548,6 +548,58 @@ def worker(ctx: click.Context, concurrency: int, until_idle: bool, loglevel: str
     raise SystemExit(run_worker(settings, concurrency, until_idle, loglevel))
 
 
+@cli.command()
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=8787, show_default=True, help="0: any free port."
+)
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="A loopback address (see --allow-remote)."
+)
+@click.option(
+    "--allow-remote",
+    is_flag=True,
+    help="Bind a non-loopback address: whoever reaches it with the gateway's key reads opened results.",
+)
+@click.option(
+    "--max-upload-mb",
+    type=click.IntRange(1, 4096),
+    default=200,
+    show_default=True,
+    help="Largest input file.",
+)
+@click.pass_context
+def gateway(ctx: click.Context, port: int, host: str, allow_remote: bool, max_upload_mb: int) -> None:
+    """OpenAI's Files and Batch API on this workstation, for the OpenAI SDK (`base_url`): uploaded lines are
+    sealed here, results opened here."""
+    settings = settings_of(ctx)
+    from pipeline.gateway.server import listen, resolve, serve
+
+    try:
+        address = resolve(host, port)
+    except OSError:
+        raise UserError(f"cannot resolve --host {host!r}") from None
+    if not (address.loopback or allow_remote):
+        raise UserError(
+            f"refusing to bind {address.host}: the gateway serves opened results; use a loopback address "
+            "(127.0.0.1), or pass --allow-remote"
+        )
+    try:
+        sock = listen(address)
+    except OSError as exc:
+        raise UserError(
+            f"cannot listen on {address.host}:{port}: {exc.strerror or type(exc).__name__}"
+        ) from None
+    _configure_logging(settings)
+
+    def ready(url: str, key_file: Path) -> None:
+        click.echo(f"enclave gateway: {url}", nl=True)
+        err.print(f"  export OPENAI_BASE_URL={url}")
+        err.print(f'  export OPENAI_API_KEY="$(cat {key_file})"')
+        sys.stdout.flush()
+
+    serve(settings, address, sock, max_upload_mb * 2**20, ready)
+
+
 @cli.group()
 def db() -> None:
     """Database schema."""

@@ -30,6 +30,10 @@ class ClientError(ValueError):
     """A user error on the client side (bad path, unknown job, job of another client...)."""
 
 
+class UnknownJob(ClientError):
+    """This client has no such job: none by that id, or another client's (which it may not see)."""
+
+
 @dataclass
 class Submitted:
     job_id: str
@@ -128,19 +132,19 @@ def submit_files(
 
 def submit_openai_batch(
     session: ClientSession,
-    file: Path,
+    file: Path | bytes,
     name: str = "",
     priority: int = 0,
     job_id: str | None = None,
     announce: Callable[[str], None] | None = None,
 ) -> Submitted:
-    """Store an OpenAI batch file as a `chat` job, one document per line. A malformed line fails alone at
-    submit (named by its custom_id, else `line N`; its reason is content-free, with its code); a file without
-    requests, or with a custom_id used twice (OpenAI refuses those), is refused whole. The file's name is
-    not sent: only `name`, sealed."""
-    if not file.is_file():
+    """Store an OpenAI batch file (a path, or the file's bytes: the gateway holds them in memory only) as a
+    `chat` job, one document per line. A malformed line fails alone at submit (named by its custom_id, else
+    `line N`; its reason is content-free, with its code); a file without requests, or with a custom_id used
+    twice (OpenAI refuses those), is refused whole. The file's name is not sent: only `name`, sealed."""
+    if isinstance(file, Path) and not file.is_file():
         raise ClientError(f"{file} is not a file")
-    lines = read_batch_file(file.read_bytes())
+    lines = read_batch_file(file.read_bytes() if isinstance(file, Path) else file)
     if dupes := [f"line {x.line_no}: {x.problem}" for x in lines if isinstance(x, BadLine) and x.duplicate]:
         raise BatchFileError(dupes)
     if not lines:
@@ -293,6 +297,31 @@ def _dispatch(settings: Settings, job_id: str, shards: list[int], priority: int)
     finally:
         app.close()
     return True
+
+
+def job_status(session: ClientSession, job_id: str) -> store.JobStatus:
+    """This client's job `job_id`: its status and document counts. `UnknownJob` when there is no such job,
+    or it is another client's."""
+    with session.db.transaction() as s:
+        _own_job(s, session, job_id)
+        return store.job_status(s, job_id)
+
+
+def cancel_job(session: ClientSession, job_id: str) -> bool:
+    """Cancel this client's queued or running job (documents already finished keep their results); False
+    when the job had already ended. `UnknownJob` when there is no such job, or it is another client's."""
+    with session.db.transaction() as s:
+        _own_job(s, session, job_id)
+        return store.cancel_job(s, job_id, session.fingerprint)
+
+
+def _own_job(s, session: ClientSession, job_id: str) -> Job:
+    job = s.get(Job, job_id)
+    if job is None:
+        raise UnknownJob(f"no job {job_id}")
+    if job.client_fingerprint != session.fingerprint:
+        raise UnknownJob(f"job {job_id} was submitted by another client; only its submitter can see it")
+    return job
 
 
 def fetch_results(session: ClientSession, job_id: str, partial: bool = False) -> tuple[Job, list[dict]]:
