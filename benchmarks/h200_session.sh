@@ -41,6 +41,19 @@ for step in $STEPS; do
       run tiles_bf16 200 python benchmarks/moe_tiles.py --dtypes bf16 --tokens 1024,4096,16384 \
         --json "$OUT/tiles_bf16.json" --write-config
       cp engine/kernels/moe/configs/*.json "$OUT/" ;;
+    fp8_new)  # the FP8 kernels of the norm-quantised path at real shapes, and the FP8 engine against the CPU
+      run fp8_new 240 python -m pytest -q -p no:cacheprovider $CUT -m gpu \
+        tests/engine/kernels/test_norm_fp8_triton.py tests/engine/kernels/test_fp8_prequantized.py \
+        tests/engine/kernels/test_fp8_gemm_config.py tests/engine/kernels/test_fp8_triton.py \
+        tests/engine/kernels/test_linear_split_sum.py tests/engine/kernels/test_moe_fp8_triton.py \
+        tests/engine/kernels/test_moe_gemv_triton.py "tests/engine/test_gpu.py::test_cuda_fp8_matches_cpu" ;;
+    fp8_decode_tiles)  # decode-sized FP8 tiles in CUDA graphs; merges the dense GEMM's winners into the table
+      run fp8_decode_tiles "${TILES_LIMIT:-260}" python benchmarks/fp8_decode_tiles.py \
+        --json "$OUT/fp8_decode_tiles.json" --write-config
+      cp engine/kernels/fp8/configs/*.json "$OUT/" ;;
+    profile_fp8)  # FP8 steps with PDL off (kernel times not inflated by in-kernel waits)
+      ENCLAVE_PDL=0 run profile_fp8 "${PROFILE_LIMIT:-200}" python benchmarks/profile_step.py --out "$OUT" \
+        --rows 30 --quantization fp8 --cases "${PROFILE_CASES:-decode1,decode64,decode512,mixed}" ;;
     fp8_tiles)  # the dense FP8 GEMM's tiles at the real projections; merges the winners into the GPU's table
       run fp8_tiles 300 python benchmarks/fp8_gemm_tiles.py --json "$OUT/fp8_tiles.json" --write-config
       cp engine/kernels/fp8/configs/*.json "$OUT/" ;;
