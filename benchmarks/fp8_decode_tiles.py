@@ -177,14 +177,16 @@ def gemv_calls(experts, t: int, tiles: gemv.GemvTiles) -> list:
 
 def sweep_gemv(tokens: list[int]) -> list[dict]:
     experts = stacked_experts()
-    default = gemv.FP8_TILES
     points = []
     head = "best (up_n, k_bytes, warps | down)"
     print(f"{'T':>3} {'default us':>10} {'best us':>8} {'x':>5} {'GB/s':>6}  {head}")
-    # down keeps the default's own bytes and warps while gate_up's change
-    down_default = dict(down_k_bytes=default.down_k_bytes or default.k_bytes, down_warps=default.down_warps)
-    down_default["down_warps"] = down_default["down_warps"] or default.num_warps
     for t in tokens:
+        default = gemv.fp8_tiles(t)
+        # down keeps the default's own bytes and warps while gate_up's change
+        down_default = dict(
+            down_k_bytes=default.down_k_bytes or default.k_bytes,
+            down_warps=default.down_warps or default.num_warps,
+        )
         up = []
         for n, kb, w in UP_CANDIDATES:
             tiles = dataclasses.replace(default, up_n=n, k_bytes=kb, num_warps=w, **down_default)

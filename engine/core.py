@@ -7,6 +7,7 @@ where `build_core` picks one of the two from the options).
 
 from __future__ import annotations
 
+import logging
 import time
 
 from engine.allocator import BlockAllocator, SlotAllocator
@@ -21,6 +22,8 @@ from engine.planner import CachePlan
 from engine.runner import Drafter, Launched, ModelRunner
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class StepFailed(Exception):
@@ -71,6 +74,9 @@ class EngineCore:
         decode_graphs = DecodeGraphs(model, self.cache, *pads, serving.max_num_seqs) if graphs else None
         mtp_hidden = options.speculation.mtp_hidden
         self.runner = ModelRunner(model, self.cache, plan, k, drafter, mtp_hidden, decode_graphs)
+        self.graphs = decode_graphs
+        if decode_graphs is not None and options.kernels.graph_capture_len:
+            self._capture_graphs(options.kernels.graph_capture_len, k)
         self.deferred_steps = 0  # steps whose tokens were read after the next step's launch
         self.steps = 0
         self.prompt_tokens = 0
@@ -84,6 +90,20 @@ class EngineCore:
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
+
+    def _capture_graphs(self, positions: int, k: int) -> None:
+        """Every decode (and, speculating, verify) graph for contexts up to `positions`, at start-up."""
+        longest = self.options.serving.max_model_len or self.graphs.model.config.max_model_len
+        positions = min(positions, longest)
+        self.graphs.capture_all(positions)
+        if k:
+            self.graphs.capture_all(positions, k + 1, keeps_states=True)
+        log.info(
+            "captured %d CUDA graphs for contexts up to %d in %.1f s",
+            self.graphs.captures,
+            positions,
+            self.graphs.capture_s,
+        )
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -157,5 +177,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             draft_tokens=self.draft_tokens,
             accepted_tokens=self.accepted_tokens,
+            graphs_captured=self.graphs.captures if self.graphs is not None else 0,
+            graph_capture_s=self.graphs.capture_s if self.graphs is not None else 0.0,
             kernels=dispatch.usage(),
         )

@@ -15,12 +15,16 @@ A graph replays them in one call. What a replay needs:
 
 Steps that do not fit (prefill chunks, mixed query lengths, more sequences than the largest bucket) run
 eagerly. The first step of each shape captures its graph (an eager warm-up on padding sequences, then the
-capture), so the first use of a shape costs one extra forward.
+capture), so the first use of a shape costs one extra forward, and the compilation of any kernel variant the
+shape is the first to need: seconds at the engine's first steps of each batch size. `capture_all` does it for
+every batch bucket and block-table width up to a context when the engine starts, as vLLM captures its graphs
+at start-up (`KernelOptions.graph_capture_len`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -80,7 +84,45 @@ class DecodeGraphs:
         self.pool = None  # one memory pool shared by every graph (they never run at once)
         self.graphs: dict[GraphKey, _Captured] = {}
         self.replays = 0
+        self.captures = 0
+        self.capture_s = 0.0  # spent capturing (warm-ups, compiles and captures)
         self.failed: str | None = None  # why capturing failed; every step then runs eagerly
+
+    def capture_all(self, positions: int, query: int = 1, keeps_states: bool = False) -> int:
+        """Capture the graph of every batch bucket and block-table width for contexts up to `positions`, with
+        `query` tokens per sequence (1: decode; k + 1 with `keeps_states`: MTP verify); how many were new.
+        Stops at the first failure (steps then run eagerly, as when a capture fails on first use)."""
+        blocks = -(-max(1, positions) // self.cache.block_size)
+        widths, width = [], MIN_TABLE_BLOCKS
+        while True:
+            widths.append(width)
+            if width >= blocks:
+                break
+            width *= 2
+        new = 0
+        for width in widths:
+            for batch in self.buckets:
+                key = GraphKey(batch, query, width, keeps_states)
+                if self.failed is not None:
+                    return new
+                if key not in self.graphs and self._captured(key) is not None:
+                    new += 1
+        return new
+
+    def _captured(self, key: GraphKey) -> _Captured | None:
+        """The key's graph, captured now; None (and `failed` set) if capturing failed."""
+        start = time.perf_counter()
+        try:
+            captured = self.graphs[key] = self._capture(key)
+        except RuntimeError as exc:  # a kernel that syncs with the host, say: stay correct, run eagerly
+            self.failed = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            log.warning("capturing a CUDA graph for %s failed; steps run eagerly", key, exc_info=True)
+            torch.cuda.synchronize(self.cache.device)
+            return None
+        finally:
+            self.capture_s += time.perf_counter() - start
+        self.captures += 1
+        return captured
 
     def key(self, layout: SeqLayout) -> GraphKey | None:
         """The graph a step would replay, or None when it must run eagerly."""
@@ -105,15 +147,9 @@ class DecodeGraphs:
         key = self.key(layout) if self.failed is None else None
         if key is None:
             return None
-        captured = self.graphs.get(key)
+        captured = self.graphs.get(key) or self._captured(key)
         if captured is None:
-            try:
-                captured = self.graphs[key] = self._capture(key)
-            except RuntimeError as exc:  # a kernel that syncs with the host, say: stay correct, run eagerly
-                self.failed = f"{type(exc).__name__}: {exc}".splitlines()[0]
-                log.warning("capturing a CUDA graph for %s failed; steps run eagerly", key, exc_info=True)
-                torch.cuda.synchronize(self.cache.device)
-                return None
+            return None
         captured.layout.refill_from(self._pad(layout, key))
         t = ids.shape[0]
         captured.ids[:t].copy_(ids)  # padding rows keep stale ids: they touch only the reserved slot, block

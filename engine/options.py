@@ -145,6 +145,14 @@ class KernelOptions(_Concern):
         "replay decode and verify steps as CUDA graphs (cuda with the Triton kernels only); unset: on unless "
         "ENCLAVE_CUDA_GRAPHS=0",
     )
+    graph_capture_len: int = _option(
+        "whole",
+        8192,
+        "contexts up to which every batch size's decode graph is captured when the engine starts, so no step "
+        "waits for a capture or its kernels' compilation (longer ones are captured on first use); 0: all on "
+        "first use",
+        low=0,
+    )
 
 
 @dataclass(frozen=True)

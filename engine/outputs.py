@@ -55,6 +55,8 @@ class EngineStats:
     num_preemptions: int
     draft_tokens: int
     accepted_tokens: int
+    graphs_captured: int = 0  # CUDA graphs captured, at start-up and on first use
+    graph_capture_s: float = 0.0  # seconds spent capturing them (their kernels' compilation included)
     # kernel op -> the implementation it last ran in this process (`engine.kernels.dispatch.usage()`)
     kernels: dict[str, str] = field(default_factory=dict)
 

@@ -65,6 +65,7 @@ class Bench:
             kv_cache_memory=self.settings.kv_cache_bytes,
             num_speculative_tokens=k,
             async_scheduling=asynchronous,
+            graph_capture_len=0,  # single-shape workloads: each captures what its untimed warm-up runs
         )
         # The core gives the MTP head its KV cache whenever k > 0, even when a drafter stands in for it.
         num_mtp = len(self.model.mtp.layers) if self.model.mtp is not None and k else 0

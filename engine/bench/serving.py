@@ -70,11 +70,16 @@ def peer(letter: str) -> Callable[[Bench], list[dict[str, Any]]]:
     return run
 
 
-def _engine(b: Bench, shape: Served, max_num_seqs: int | None, kv_cache_bytes: int | None) -> Engine:
+def _engine(
+    b: Bench, shape: Served, max_num_seqs: int | None, kv_cache_bytes: int | None, **flat: object
+) -> Engine:
+    """A serving engine for `shape`; it captures its decode graphs when it starts (the default), as a server
+    does before its first request."""
     options = b.options(
         max_num_seqs=max_num_seqs,
         max_model_len=shape.prompt_len + shape.new + 8,
         kv_cache_memory=kv_cache_bytes,
+        **flat,
     )
     return Engine(b.model, b.config, None, b.device, b.dtype, options)
 
@@ -83,7 +88,7 @@ def _warm_up(b: Bench, shape: Served, max_num_seqs: int | None, kv_cache_bytes: 
     # Untimed first: a few requests on an engine of the same settings, so the prefill chunks of several
     # sequences, mixed prefill + decode steps and decode batches up to the concurrency compile outside the
     # measurement (a server compiles them once, at its first requests).
-    warm = _engine(b, shape, max_num_seqs, kv_cache_bytes)
+    warm = _engine(b, shape, max_num_seqs, kv_cache_bytes, graph_capture_len=0)
     per_step = max(1, b.settings.max_num_batched_tokens // shape.prompt_len)
     count = min(shape.requests, max(2 * per_step + 4, shape.concurrency or 0))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -119,8 +124,10 @@ def served(b: Bench, shape: Served, max_num_seqs: int | None, kv_cache_bytes: in
     counters and a roofline estimate."""
     n, prompt_len, new = shape.requests, shape.prompt_len, shape.new
     _warm_up(b, shape, max_num_seqs, kv_cache_bytes)
-    deadline = b.deadline()
+    started = time.perf_counter()
     engine = _engine(b, shape, max_num_seqs, kv_cache_bytes)
+    start_s = time.perf_counter() - started
+    deadline = b.deadline()
     try:
         params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
         prompts = b.prompts(n, prompt_len)
@@ -158,6 +165,10 @@ def served(b: Bench, shape: Served, max_num_seqs: int | None, kv_cache_bytes: in
         "computed_output_tokens": stats.generated_tokens,
         "preemptions": stats.num_preemptions,
         "capped": bool(pending) or len(futures) < n,
+        "engine_start_s": start_s,  # building the engine, its graphs captured at start-up included
+        "graphs_captured": stats.graphs_captured,
+        "graph_capture_s": stats.graph_capture_s,
+        "busy_s": stats.steps and (stats.prompt_tokens + stats.generated_tokens) / stats.tokens_per_s,
     }
     computed = stats.prompt_tokens + stats.generated_tokens
     if stats.steps and computed:
@@ -170,6 +181,8 @@ def served(b: Bench, shape: Served, max_num_seqs: int | None, kv_cache_bytes: in
         )
         point |= roofline(bytes_, computed, computed / wall, b.bandwidth)
     point["note"] = (
-        f"output {point['output_tokens_per_s']:,.0f} tok/s; {point['completed']}/{n} done in {wall:.1f} s"
+        f"output {point['output_tokens_per_s']:,.0f} tok/s; {point['completed']}/{n} done in {wall:.1f} s "
+        f"({point['busy_s']:.1f} s in steps; {stats.graphs_captured} graphs, {stats.graph_capture_s:.1f} s "
+        f"capturing, {start_s:.1f} s engine start)"
     )
     return point

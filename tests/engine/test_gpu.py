@@ -98,3 +98,22 @@ def test_cuda_fp8_matches_cpu(tmp_path):
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         assert cuda.generate([ids], params)[0].token_ids == cpu.generate([ids], params)[0].token_ids
         assert cuda.core.runner.graphs.replays > 0
+
+
+def test_cuda_graphs_captured_at_start(tmp_path):
+    """With graph_capture_len every batch bucket's decode graph up to that context is captured as the engine
+    starts; decoding then replays them without capturing, and gives the CPU's tokens."""
+    save_text_model(tmp_path, seed=2)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 40, 9)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    cpu = Engine.from_pretrained(tmp_path, device="cpu", dtype="float32")
+    expected = [o.token_ids for o in cpu.generate(prompts, params)]
+    options = dict(device="cuda", dtype="float32", max_num_seqs=4, graph_capture_len=300, block_size=16)
+    with Engine.from_pretrained(tmp_path, kv_cache_memory=1 << 30, **options) as cuda:
+        graphs = cuda.core.runner.graphs
+        # buckets 1, 2, 4 x block-table widths 16 and 32 (300 positions are 19 blocks of 16)
+        assert graphs.captures == 6 and graphs.capture_s > 0
+        assert [o.token_ids for o in cuda.generate(prompts, params)] == expected
+        assert graphs.replays > 0 and graphs.captures == 6
+        assert cuda.stats().graphs_captured == 6

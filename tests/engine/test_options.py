@@ -33,6 +33,7 @@ ENGINE_OPTIONS = {  # what Engine took as keywords before the options existed: e
     "max_prefixes",
     "mtp_hidden",
     "cuda_graphs",
+    "graph_capture_len",  # and one added since
     "async_scheduling",
     "device",
     "dtype",

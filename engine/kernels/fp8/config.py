@@ -4,8 +4,9 @@ the shape rules in `fp8.triton`.
 
 The table maps `table_key(N, K)` (a projection's outputs and inputs) to entries keyed by token count; a batch
 takes the entry of the tuned count nearest in ratio, from half the smallest to twice the largest (outside:
-the rules). The H200 table holds prefill sizes only (1,024-16,384 tokens): below, the sweep's timings were
-bound by the host's launches, not the GPU.
+the rules). The H200 table holds 2-512 tokens from `benchmarks/fp8_decode_tiles.py` (graph-timed, cold
+weights, x quantised by the norm; split K where few N tiles leave SMs idle: out_proj 2.1-2.9x the rules' tiles
+at 2-128 rows) and 1,024-16,384 from `benchmarks/fp8_gemm_tiles.py`.
 """
 
 from __future__ import annotations

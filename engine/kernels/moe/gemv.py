@@ -72,8 +72,20 @@ class GemvTiles:
     down_warps: int | None = None
 
 
-# FP8 weights: the bf16 tiles until an H200 sweep of FP8 (`benchmarks/fp8_decode_tiles.py --parts gemv`).
-FP8_TILES = GemvTiles()
+# FP8 weights, by token count: an H200 sweep (`benchmarks/fp8_decode_tiles.py --parts gemv`, b8bb4ee, graphs,
+# cold weights, x quantised by the norm, us per MoE block's experts with the shared expert stacked) against
+# the bf16 tiles: T = 1 13.1 vs 15.8, T = 4 32.3 vs 41.7, T = 16 94.0 vs 138.8. Half as many bytes per weight
+# row as bf16 want narrower K steps (512 B) and, in down, more rows per program.
+FP8_TILES = {
+    1: GemvTiles(up_n=4, down_n=32, k_bytes=512, num_warps=4, down_k_bytes=256, down_warps=4),
+    8: GemvTiles(up_n=8, down_n=32, k_bytes=512, num_warps=2, down_k_bytes=256, down_warps=2),
+    16: GemvTiles(up_n=8, down_n=64, k_bytes=512, num_warps=2, down_k_bytes=256, down_warps=2),
+}
+
+
+def fp8_tiles(tokens: int) -> GemvTiles:
+    """The FP8 tiles for `tokens` rows: the entry of the smallest tuned count at or above it."""
+    return FP8_TILES[next((t for t in sorted(FP8_TILES) if tokens <= t), max(FP8_TILES))]
 
 
 def _k_blocks(k: int, elem_bytes: int, k_bytes: int, group: int | None) -> dict:
@@ -410,4 +422,5 @@ def experts_fp8(
     extra = (shared_out, shared_gate) if shared_out is not None else None
     xq = xq if xq is not None and xq.fits(x, block[1]) else None
     scales = (w13_scale, w2_scale)
-    return _run(x, w13, w2, weights, ids, None, scales, block, extra, tiles or FP8_TILES, xq)
+    tiles = tiles or fp8_tiles(x.shape[0])
+    return _run(x, w13, w2, weights, ids, None, scales, block, extra, tiles, xq)

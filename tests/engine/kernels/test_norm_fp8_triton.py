@@ -100,5 +100,6 @@ def test_gated_rms_norm_fp8_real_shapes_bf16():
     z = rand(t, 8192 + h * d, seed=2, dtype=torch.bfloat16, device="cuda")[:, 8192:].view(t, h, d)
     w = rand(d, seed=3, dtype=torch.bfloat16, device="cuda")
     out, xq = gated_rms_norm_fp8(x, z, w, EPS, 128)
-    torch.testing.assert_close(out, norm_ref.gated_rms_norm(x, z, w, EPS), **BF16_TOL)
+    # two bf16 roundings (weight * normed, then the gate), as the plain gated norm's test allows
+    torch.testing.assert_close(out, norm_ref.gated_rms_norm(x, z, w, EPS), rtol=2e-2, atol=2e-2)
     assert_quantised(xq, out, 128)
