@@ -23,7 +23,7 @@ STEPS=${STEPS:-kernels gpu_tests batching}
 for step in $STEPS; do
   case $step in
     kernels) run kernels 240 python -m pytest -q -p no:cacheprovider $CUT tests/engine/kernels ;;
-    gpu_tests) run gpu_tests 300 python -m pytest -q -p no:cacheprovider $CUT -m gpu tests/engine ;;
+    gpu_tests) run gpu_tests "${GPU_TESTS_LIMIT:-300}" python -m pytest -q -p no:cacheprovider $CUT -m gpu tests/engine ;;
     batching)
       run batching_triton 150 python benchmarks/engine_batching.py --device cuda --dtype bfloat16 --repeats 3 \
         --json "$OUT/batching_triton.json"
