@@ -4,7 +4,8 @@
         [--quantization fp8] [--cases prefill,decode1,decode64,mixed]
 
 For each case (a prefill step of 2 x 4096 prompt tokens, decode steps at batch 1 and 64, and a mixed step of
-512 decoding sequences beside prompt chunks, as workload (h) runs them) it prints the step's wall time, the
+512 decoding sequences beside a whole step of prompt chunks, `mixed1` beside one 1,024-token prompt, as
+workload (h) runs them) it prints the step's wall time, the
 device time the profiler saw, the number of kernel launches, and the ops that took most device time and
 most host time. Take profiles for tuning with ENCLAVE_PDL=0: with PDL a kernel launched early waits inside
 the kernel, and the profiler counts the wait as its time. Tables go to stdout and, with --out, to
@@ -107,7 +108,9 @@ def core_for(b: Bench, seqs: int, max_len: int):
         b.settings = settings
 
 
-def mixed(b: Bench, running: int, waiting: int, prompt: int, rows: int, out: Path | None) -> dict:
+def mixed(
+    b: Bench, running: int, waiting: int, prompt: int, rows: int, out: Path | None, name: str = "mixed"
+) -> dict:
     """`running` sequences decoding beside the prefill of `waiting` more (workload (h)'s steps): prefill the
     first `running`, then profile the first step that decodes all of them and prefills the others' chunks."""
     core = core_for(b, running + waiting, prompt + 32)
@@ -119,9 +122,9 @@ def mixed(b: Bench, running: int, waiting: int, prompt: int, rows: int, out: Pat
             raise SystemExit("mixed: every prompt was prefilled before a mixed step came")
     decoding = sum(bool(s.output_ids) for s in seqs)
     before = core.prompt_tokens
-    result = case_step(b, core, "mixed", rows, out)
+    result = case_step(b, core, name, rows, out)
     result.update(decoding=decoding, prefill_tokens=core.prompt_tokens - before)
-    print(f"mixed step: {decoding} decoding, {result['prefill_tokens']} prompt tokens", flush=True)
+    print(f"{name} step: {decoding} decoding, {result['prefill_tokens']} prompt tokens", flush=True)
     return result
 
 
@@ -130,7 +133,7 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3.5-35b-a3b")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--rows", type=int, default=25)
-    parser.add_argument("--cases", default="prefill,decode1,decode64")  # and decode512, mixed
+    parser.add_argument("--cases", default="prefill,decode1,decode64")  # and decode512, mixed, mixed1
     parser.add_argument("--quantization", choices=("none", "fp8"), default="none")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -146,9 +149,10 @@ def main() -> None:
     summary = {}
     with torch.inference_mode():
         for name in args.cases.split(","):
-            if name == "mixed":
-                shape = (8, 4, 1024) if small else (512, 64, 1024)  # 8 x 1024: one step's budget
-                summary[name] = mixed(b, *shape, args.rows, args.out)
+            if name in ("mixed", "mixed1"):  # beside a whole step of prompt chunks, or one prompt's
+                waiting = 4 if name == "mixed" else 1
+                shape = (8, waiting, 1024) if small else (512, 64 if name == "mixed" else 1, 1024)
+                summary[name] = mixed(b, *shape, args.rows, args.out, name)
                 continue
             batch, prompt, decode = plans[name]
             summary[name] = case(b, name, batch, prompt, decode, args.rows, args.out)
