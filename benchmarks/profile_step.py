@@ -33,6 +33,7 @@ from engine.bench.settings import GIB, QUICK, Settings
 from engine.bench.traffic import param_counts
 from engine.config import config_from_dict
 from engine.model.fp8_linear import quantize_model_
+from engine.sequence import Sequence
 
 
 def build(preset: str, device: torch.device, dtype: torch.dtype, quantization: str = "none") -> Bench:
@@ -113,13 +114,21 @@ def mixed(
 ) -> dict:
     """`running` sequences decoding beside the prefill of `waiting` more (workload (h)'s steps): prefill the
     first `running`, then profile the first step that decodes all of them and prefills the others' chunks."""
-    core = core_for(b, running + waiting, prompt + 32)
-    seqs = b.add(core, running + waiting, prompt, 24, prompt + 32)
-    first = seqs[:running]
-    while any(not s.output_ids for s in first) or all(s.output_ids for s in seqs[running:]):
+    # Room to decode while the others prefill (64 steps at (h)'s shapes), so none finishes before the step.
+    new, max_len = 200, prompt + 256
+    core = core_for(b, running + waiting, max_len)
+    first = b.add(core, running, prompt, new, max_len)
+    while any(not s.output_ids for s in first):
         core.step()
-        if all(s.output_ids for s in seqs):
-            raise SystemExit("mixed: every prompt was prefilled before a mixed step came")
+    # Then the others, queued behind sequences that now decode (ids after the first ones').
+    params = first[0].params
+    later = [
+        Sequence(running + i, ids, params, None, set(), None, max_len, b.device)
+        for i, ids in enumerate(b.prompts(waiting, prompt))
+    ]
+    for seq in later:
+        core.add(seq)
+    seqs = first + later
     decoding = sum(bool(s.output_ids) for s in seqs)
     before = core.prompt_tokens
     result = case_step(b, core, name, rows, out)
