@@ -5,6 +5,12 @@ it loads the [BT, BC] inputs that tap sees: rows of x, or, before the sequence's
 slot's cached inputs (zeros when the sequence has no context). Only the first tile of a sequence reads
 the slot, so only it writes the slot's new state (programs cannot order against one another); a verify
 sequence (per-token states) always fits one tile.
+
+A batch of short sequences beside long ones (decodes in a step that also prefills, as a server runs them)
+takes two launches: the short ones with tiles of their own length and wide channel blocks, the long ones with
+MAX_TILE-token tiles. One launch with MAX_TILE-token tiles for all would give each decoding sequence a tile of
+one useful row in 32 over 8 times as many channel blocks: 474 us per layer on an H200 for 512 decodes beside
+a 1,024-token prompt, against 15 us for the 512 decodes alone.
 """
 
 import torch
@@ -138,14 +144,27 @@ def causal_conv1d(
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    max_len = max(layout.query_lens)
-    # One tile per sequence when all fit (decode, verify, short prefill); else MAX_TILE tokens per tile.
-    bt = triton.next_power_of_2(max_len) if max_len <= MAX_TILE else MAX_TILE
     use_state_out = layout.state_out is not None and any(layout.state_out)
+    long = [n for n in layout.query_lens if n > MAX_TILE]
+    short = [n for n in layout.query_lens if n <= MAX_TILE]
+    # One tile per sequence for the short ones (decode, verify, short prefill); MAX_TILE tokens per tile else.
+    groups = []
+    if short:
+        groups.append((triton.next_power_of_2(max(short)), "short" if long else "all"))
+    if long:
+        groups.append((MAX_TILE, "long" if short else "all"))
+    for bt, which in groups:
+        _launch(x, weight, state, out, layout, bt, which, activation, use_state_out)
+    return out
+
+
+def _launch(x, weight, state, out, layout: SeqLayout, bt: int, which: str, activation, use_state_out) -> None:
+    """One launch over the tiles of `which` sequences ("all", "short", "long"), BT = `bt`."""
+    c, k = x.shape[1], weight.shape[1]
     bkm1 = triton.next_power_of_2(max(k - 1, 1))
     budget = 8192 if use_state_out else 4096  # elements of the largest [BT, BC(, BKM1)] tile
     bc = min(triton.next_power_of_2(c), 1024, max(16, budget // (bt * (bkm1 if use_state_out else 1))))
-    seqs, tiles, token_slots = _metadata(layout, bt, x.device)
+    seqs, tiles, token_slots = _metadata(layout, bt, which, x.device)
     grid = (tiles.shape[0], triton.cdiv(c, bc))
     _conv_kernel[grid](
         x,
@@ -171,11 +190,13 @@ def causal_conv1d(
         num_warps=4,
         **pdl_launch(),
     )
-    return out
 
 
-def _metadata(layout: SeqLayout, bt: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sequence table [N, 4], tile table [P, 2] and per-token state slots [T], cached in the layout."""
+def _metadata(
+    layout: SeqLayout, bt: int, which: str, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sequence table [N, 4], tile table [P, 2] of `which` sequences ("all", or those of at most / more
+    than MAX_TILE new tokens) and per-token state slots [T], cached in the layout."""
 
     def build_seqs(layout: SeqLayout) -> torch.Tensor:
         rows = []
@@ -187,7 +208,9 @@ def _metadata(layout: SeqLayout, bt: int, device) -> tuple[torch.Tensor, torch.T
         return torch.tensor(rows, dtype=torch.int32)
 
     def build_tiles(layout: SeqLayout) -> torch.Tensor:
-        rows = [(i, s) for i, n in enumerate(layout.query_lens) for s in range(0, n, bt)]
+        wanted = {"all": lambda n: True, "short": lambda n: n <= MAX_TILE, "long": lambda n: n > MAX_TILE}
+        keep = wanted[which]
+        rows = [(i, s) for i, n in enumerate(layout.query_lens) if keep(n) for s in range(0, n, bt)]
         return torch.tensor(rows, dtype=torch.int32)
 
     def build_token_slots(layout: SeqLayout) -> torch.Tensor:
@@ -197,7 +220,7 @@ def _metadata(layout: SeqLayout, bt: int, device) -> tuple[torch.Tensor, torch.T
         return torch.tensor(slots, dtype=torch.int32)
 
     seqs = layout.cached("conv1d_seqs", device, build_seqs)
-    tiles = layout.cached(("conv1d_tiles", bt), device, build_tiles)
+    tiles = layout.cached(("conv1d_tiles", bt, which), device, build_tiles)
     if layout.state_out is None:
         return seqs, tiles, seqs  # never read: USE_STATE_OUT is off
     return seqs, tiles, layout.cached("conv1d_token_slots", device, build_token_slots)

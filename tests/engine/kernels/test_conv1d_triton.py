@@ -89,6 +89,12 @@ def test_mixed_batch_strided_input_and_many_channel_blocks(k):
     check(layout, c=300, k=k, slots=5, dtype=torch.float32, seed=k, activation=False)
 
 
+def test_decodes_beside_a_long_prompt():
+    # short and long sequences take separate launches (tiles of their own length); interleaved in the batch
+    layout = SeqLayout((1, 40, 1, 1, 3, 70), (5, 0, 1, 9, 2, 4), (0, 1, 2, 3, 4, 5))
+    check(layout, c=70, k=4, slots=6, dtype=torch.float16, seed=3)
+
+
 def test_short_chunks_carry_the_state_like_one_prefill():
     # tokens fed 5, then 1, 2 and 1 at a time end with the output and state of one 9-token prefill
     c, k = 11, 4
@@ -124,6 +130,8 @@ def test_long_verify_is_refused_like_the_reference():
             state_out=tuple((*range(16 + 3 * i, 19 + 3 * i), i) for i in range(16)),
         ),  # MTP verify, 3 scratch slots + home per sequence
         SeqLayout((2000, 1, 3, 517), (0, 40, 7, 1024), (0, 1, 2, 3)),  # prefill, chunk and decodes
+        # a server's mixed step: decodes beside a prompt's chunk (two launches, short and long tiles)
+        SeqLayout((*(1,) * 63, 1024), (*range(1, 64), 0), tuple(range(64))),
     ],
 )
 def test_real_shapes_bf16(layout):
