@@ -146,9 +146,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for letter in args.workloads:
         if letter in RUNNERS:
             title, runner = RUNNERS[letter]
-            say(f"({letter}) {title}")
-            results[letter] = runner(bench)
-            free(device)
+            results[letter] = []
+            for run_index in range(args.repeat):
+                say(
+                    f"({letter}) {title}"
+                    + (f" [run {run_index + 1} of {args.repeat}]" if args.repeat > 1 else "")
+                )
+                points = runner(bench)
+                if args.repeat > 1:  # the same process again: kernels compiled, caches warm
+                    points = [p | {"label": f"{p['label']} [run {run_index + 1}]"} for p in points]
+                results[letter] += points
+                free(device)
     if "g" in args.workloads:
         bench.model = model = None  # transformers' copy of the model needs the memory
         free(device)
@@ -163,6 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "params": param_summary(counts),
         "build_s": built_s,
         "quick": args.quick,
+        "repeat": args.repeat,
         "sizes": asdict(sizes),
         "settings": asdict(settings),
         "block_size": BLOCK_SIZE,
@@ -226,11 +235,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--batches", type=_sizes, help="batch sizes of (b) (default 16,64,256)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run each workload this many times in the same process (later runs: every kernel compiled)",
+    )
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help=_doc("quantization"))
     parser.add_argument("--json", default=str(DEFAULT_JSON), help="write the results here ('' for none)")
     args = parser.parse_args(argv)
-    if args.max_seconds <= 0 or args.max_num_batched_tokens < 1 or args.max_num_seqs < 1:
-        parser.error("--max-seconds, --max-num-batched-tokens and --max-num-seqs must be positive")
+    if args.max_seconds <= 0 or args.max_num_batched_tokens < 1 or args.max_num_seqs < 1 or args.repeat < 1:
+        parser.error("--max-seconds, --max-num-batched-tokens, --max-num-seqs and --repeat must be positive")
     return args
 
 

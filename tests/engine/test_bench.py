@@ -44,6 +44,19 @@ def test_tiny_quick_run_writes_the_report(tmp_path):
         assert verify[f"MTP step k={k}"]["ratio_vs_plain"] > 0  # the tiny preset has an MTP head
 
 
+def test_repeat_runs_each_workload_again_in_the_same_process(tmp_path):
+    path = tmp_path / "bench.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--quick", "--workloads", "a"]
+    assert bench.main([*argv, "--repeat", "2", "--max-seconds", "60", "--json", str(path)]) == 0
+
+    report = json.loads(path.read_text())
+    first, second = report["workloads"]["a"]
+    assert first["label"].endswith("[run 1]") and second["label"].endswith("[run 2]")
+    assert first["label"].removesuffix(" [run 1]") == second["label"].removesuffix(" [run 2]")
+    assert first["tokens_per_s"] > 0 and second["tokens_per_s"] > 0
+    assert report["configuration"]["repeat"] == 2
+
+
 def test_cli_passes_its_arguments_to_the_benchmark(monkeypatch, tmp_path):
     from pipeline import cli
 
