@@ -2,7 +2,7 @@
 """Kernel lab for the prefill GEMMs (llm.c dev/cuda style): variants of one op, each checked, then timed.
 
     python benchmarks/gemm_lab.py [--parts dense,grouped,torch] [--tokens 2048,8192,16384] [--json PATH]
-        [--first] [--no-time]
+        [--first] [--no-time] [--write-config]
 
 - dense: the FP8 projections of Qwen3.5-35B-A3B at prefill sizes: ours (`fp8_block_gemm`, x given quantised,
   its tuned tiles), cuBLAS's block-scaled FP8 GEMM (`torch._scaled_mm` with 1x128 activation and 128x128
@@ -42,16 +42,17 @@ from kernels_moe import build, profile_kernels
 from engine.kernels.fp8 import triton as fp8_triton
 from engine.kernels.fp8.quant import has_fp8_dot, quantize_fp8_per_token_group
 from engine.kernels.fp8.reference import Fp8Activation, quantize_block_fp8_weight
+from engine.kernels.moe import config as moe_config
 from engine.kernels.moe import fp8 as moe_fp8
 from engine.kernels.moe import reference as moe_reference
 from engine.kernels.moe import triton as moe_triton
 from engine.kernels.moe.align import align_block_size
-from engine.kernels.moe.combine import combine
+from engine.kernels.moe.combine import block_and_tile, combine
 from engine.kernels.moe.config import ExpertsConfig, GemmTiles
 from engine.model.fp8_linear import quantize_gate_up
 
 DENSE = {"in_proj_qkvz": (12288, 2048), "qkv_proj": (9216, 2048), "out_proj": (2048, 4096)}  # N, K
-DENSE_TOKENS = (512, 1024, 2048, 4096, 8192, 16384)
+DENSE_TOKENS = (64, 128, 256, 512, 1024, 4096, 8192, 16384)
 TOP_K = 8
 
 
@@ -92,12 +93,13 @@ def dense(device: torch.device) -> list[dict]:
             q, s = quantize_fp8_per_token_group(x, 128)  # [M, K] e4m3, [M, K/128] fp32
             xq = Fp8Activation(q, s, 128)
             flop = 2 * m * n * k
-            ours = fp8_triton.fp8_block_gemm(x, w, ws, xq=xq)
+            tiles = fp8_triton.gemm_config(m, n, k, device)  # ours, not the cuBLAS path it takes
+            ours = fp8_triton.fp8_block_gemm(x, w, ws, xq=xq, config=tiles)
             ref = (q.float() * s.repeat_interleave(128, 1)[:, :k]) @ (
                 w.float() * ws.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
             ).T
             row = {"op": name, "m": m, "n": n, "k": k, "ours_err": rel_err(ours, ref)}
-            row["ours_us"] = median_us(lambda x=x, xq=xq: fp8_triton.fp8_block_gemm(x, w, ws, xq=xq))
+            row["ours_us"] = median_us(lambda: fp8_triton.fp8_block_gemm(x, w, ws, xq=xq, config=tiles))
             try:
                 sa = s.t().contiguous().t()  # [M, K/128], M-major, as cuBLASLt wants
                 sb = ws.t()  # [K/128, N/128]
@@ -166,8 +168,7 @@ def _gate_up_wide_kernel(
     FP8: tl.constexpr,
     USE_FP8_DOT: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = block_and_tile(tl.cdiv(inter, BLOCK_N))
     expert = tl.load(block_experts_ptr + pid_m)
     if expert < 0:
         return
@@ -221,7 +222,7 @@ def gate_up_wide(x, w13, table, slots, inter, block_m, tiles: GemmTiles, xq=None
     a = xq if fp8 else x
     xs = xs if fp8 else x
     s13 = s13 if fp8 else x.new_zeros(1, 1, 1, dtype=torch.float32)
-    return _gate_up_wide_kernel[(table[1].numel(), triton.cdiv(inter, tiles.block_n))](
+    return _gate_up_wide_kernel[(table[1].numel() * triton.cdiv(inter, tiles.block_n),)](
         a, xs, w13, s13, act, *table, x.shape[1], inter, 128, triton.cdiv(inter, 128),
         a.stride(0), a.stride(1), xs.stride(0), xs.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         s13.stride(0), s13.stride(1), s13.stride(2), act.stride(0), act.stride(1),
@@ -318,7 +319,7 @@ class Experts:
             n = act.shape[0]
             part = torch.empty(1, n, h, dtype=self.x.dtype, device=self.x.device)
             q2, s2, wt = self.q2, self.s2, self.weights
-            moe_fp8._fp8_down_kernel[(table[1].numel(), triton.cdiv(h, down.block_n), 1)](
+            moe_fp8._fp8_down_kernel[(table[1].numel() * triton.cdiv(h, down.block_n), 1)](
                 aq, as_, q2, s2, wt, part, *table, h, inter, 128,
                 aq.stride(0), aq.stride(1), as_.stride(0), as_.stride(1), q2.stride(0), q2.stride(1),
                 q2.stride(2), s2.stride(0), s2.stride(1), s2.stride(2),
@@ -330,7 +331,7 @@ class Experts:
             kernel, act = gate_up_wide(self.x, self.w13, table, slots, inter, block_m, tiles)
             n = act.shape[0]
             part = torch.empty(1, n, h, dtype=self.x.dtype, device=self.x.device)
-            moe_triton._down_kernel[(table[1].numel(), triton.cdiv(h, down.block_n), 1)](
+            moe_triton._down_kernel[(table[1].numel() * triton.cdiv(h, down.block_n), 1)](
                 act, self.w2, self.w2[0], self.weights, part, *table, h, inter, inter, e,
                 act.stride(0), act.stride(1), self.w2.stride(0), self.w2.stride(1), self.w2.stride(2),
                 self.w2.stride(1), self.weights.stride(0), self.weights.stride(1), part.stride(0),
@@ -490,6 +491,42 @@ def torch_grouped(device: torch.device, tokens: list[int]) -> list[dict]:
     return rows
 
 
+def best_configs(rows: list[dict], max_err: float = 2e-2) -> dict[tuple[str, int], ExpertsConfig]:
+    """Per (dtype, T): for each BLOCK_M the fastest correct gate/up and down tiles of our kernels, and the
+    BLOCK_M whose two kernels take least time together."""
+    best: dict[tuple[str, int], tuple[float, ExpertsConfig]] = {}
+    groups: dict[tuple[str, int, int], list[dict]] = {}
+    for r in rows:
+        if r["variant"] == "ours" and r.get("us") and r.get("err", 1.0) <= max_err:
+            groups.setdefault((r["dtype"], r["t"], r["block_m"]), []).append(r)
+    for (dtype, t, block_m), found in groups.items():
+        up = min(found, key=lambda r: r["us"]["gate_up"])
+        down = min(found, key=lambda r: r["us"]["down"])
+        total = up["us"]["gate_up"] + down["us"]["down"]
+        config = ExpertsConfig(block_m, GemmTiles(**up["gate_up"]), GemmTiles(**down["down"]))
+        if (dtype, t) not in best or total < best[(dtype, t)][0]:
+            best[(dtype, t)] = (total, config)
+    return {key: config for key, (_, config) in best.items()}
+
+
+def write_config(rows: list[dict], device: torch.device) -> None:
+    """Merge the winners into this GPU's MoE tile table: bf16 under E=256, k=8; FP8 under E=256, k=8 and the
+    stacked shared-expert layout E=257, k=9 (the FP8 engine's, timed here as its routed part)."""
+    path = moe_config.table_path(torch.cuda.get_device_name(device))
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    for (dtype, t), config in sorted(best_configs(rows).items()):
+        keys = (
+            [moe_config.table_key(256, 2048, 512, 8, torch.bfloat16)]
+            if dtype == "bf16"
+            else [moe_config.table_key(e, 2048, 512, k, torch.float8_e4m3fn) for e, k in ((256, 8), (257, 9))]
+        )
+        for key in keys:
+            table.setdefault(key, {})[str(t)] = config.to_dict()
+        print(f"table {dtype} T={t}: {config}")
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="dense,grouped,torch")
@@ -498,6 +535,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--first", action="store_true", help="grouped: the first candidate of each list only")
     parser.add_argument("--no-time", action="store_true", help="check, do not time (under ncu)")
+    parser.add_argument("--write-config", action="store_true", help="grouped winners into the MoE table")
     args = parser.parse_args()
     device = torch.device(args.device)
     tokens = [int(v) for v in args.tokens.split(",")]
@@ -510,6 +548,8 @@ def main() -> None:
             result["dense"] = dense(device)
         if "grouped" in parts:
             result["grouped"] = grouped(device, tokens, device.type != "cuda", args.first, not args.no_time)
+            if args.write_config and device.type == "cuda":
+                write_config(result["grouped"], device)
         if "torch" in parts and device.type == "cuda":
             result["torch"] = torch_grouped(device, tokens)
     result["seconds"] = time.perf_counter() - began

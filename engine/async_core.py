@@ -24,6 +24,7 @@ from engine.planner import CachePlan
 from engine.runner import Drafter, Launched, Readback
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
+from engine.warmup import warm_up
 
 
 def async_wanted(options: EngineOptions, device: torch.device, drafter: Drafter | None = None) -> bool:
@@ -40,9 +41,17 @@ def async_wanted(options: EngineOptions, device: torch.device, drafter: Drafter 
 def build_core(
     model: CausalLM, plan: CachePlan, options: EngineOptions, drafter: Drafter | None = None
 ) -> EngineCore:
-    """The asynchronous core when `async_wanted`, else the synchronous one."""
+    """The asynchronous core when `async_wanted`, else the synchronous one; warmed up (`engine.warmup`) when
+    the `warm_up` option says so, or, unset, when its decode graphs were captured at start."""
     asynchronous = async_wanted(options, model.inv_freq.device, drafter)
-    return (AsyncEngineCore if asynchronous else EngineCore)(model, plan, options, drafter)
+    core = (AsyncEngineCore if asynchronous else EngineCore)(model, plan, options, drafter)
+    wanted = options.kernels.warm_up
+    if wanted is None:
+        wanted = core.graphs is not None and options.kernels.graph_capture_len > 0
+    if wanted:
+        longest = options.serving.max_model_len or model.config.max_model_len
+        warm_up(core, model.config.vocab_size, longest)
+    return core
 
 
 @dataclass(frozen=True)

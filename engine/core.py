@@ -108,6 +108,13 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def reset_counters(self) -> None:
+        """Zero the step and token counters (after the start-up warm-up, which is not served work)."""
+        self.steps = self.prompt_tokens = self.generated_tokens = 0
+        self.draft_tokens = self.accepted_tokens = 0
+        self.busy_s = 0.0
+        self.scheduler.num_preemptions = 0
+
     def step(self) -> list[Sequence]:
         """Run one step; return the requests that finished in it."""
         start = time.perf_counter()

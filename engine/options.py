@@ -153,6 +153,13 @@ class KernelOptions(_Concern):
         "first use",
         low=0,
     )
+    warm_up: bool | None = _option(
+        "switch",
+        None,
+        "before serving, run synthetic prefill and mixed steps at every tuned token count, so their kernels "
+        "compile at start rather than in the first requests' steps; unset: on where decode graphs are "
+        "captured at start (cuda)",
+    )
 
 
 @dataclass(frozen=True)

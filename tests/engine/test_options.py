@@ -33,7 +33,8 @@ ENGINE_OPTIONS = {  # what Engine took as keywords before the options existed: e
     "max_prefixes",
     "mtp_hidden",
     "cuda_graphs",
-    "graph_capture_len",  # and one added since
+    "graph_capture_len",  # and two added since
+    "warm_up",
     "async_scheduling",
     "device",
     "dtype",

@@ -167,7 +167,7 @@ def test_engine_table_is_the_engines_options(tmp_path):
         "max_num_seqs": 32, "max_num_batched_tokens": 4096, "max_model_len": 2048, "async_scheduling": False,
         "kv_cache_memory": 1 << 30, "gpu_memory_utilization": 0.5, "block_size": 32, "max_prefixes": 2,
         "cuda_graphs": False, "graph_capture_len": 512, "num_speculative_tokens": 2, "mtp_hidden": "raw",
-        "quantization": "fp8",
+        "quantization": "fp8", "warm_up": True,
     }  # fmt: skip
     assert set(given) == names
     toml = "[engine]\n" + "".join(

@@ -58,3 +58,12 @@ def tuned_config(
     if not entries or not min(entries) / 2 <= m <= 2 * max(entries):
         return None
     return entries[min(entries, key=lambda t: (max(t, m) / max(1, min(t, m)), t))]
+
+
+def tuned_token_counts(device: torch.device, directory: Path = CONFIG_DIR) -> set[int]:
+    """Every token count this GPU's table has an entry for, over all projections (the engine's warm-up runs
+    each)."""
+    if device.type != "cuda":
+        return set()
+    table = _table(table_path(device_name(device.index or 0), directory))
+    return {m for entries in table.values() for m in entries}

@@ -2,11 +2,12 @@
 
 For one token and up to 4096 outputs (`linear.triton.FP8_PREFER_MAX_ROWS`, `FP8_PREFER_MAX_N`: where it
 measured faster) `fp8_block_linear` runs the weight-streaming kernel of `engine.kernels.linear.triton` (x
-quantised inside it). Everything else takes `fp8_block_gemm`, two kernels: the quantiser (`fp8.quant`)
-writes x as e4m3 plus one fp32 scale per (token, 128 channels), and the GEMM walks K one scale block
-(BLOCK_K = 128) at a time, so each K step is one e4m3 `tl.dot` scaled by x_scale[m, kb] *
-w_scale[n // 128, kb] before it joins the fp32 accumulator. Edge blocks (N or K not multiples of 128) are
-masked to zero on both sides.
+quantised inside it). Everything else takes `fp8_block_gemm`: the quantiser (`fp8.quant`) writes x as e4m3
+plus one fp32 scale per (token, 128 channels) (or x comes quantised, `Fp8Activation`), then from
+`cublas.MIN_ROWS` rows on an H100/H200 cuBLASLt's block-scaled FP8 GEMM runs (`fp8.cublas`, 2-4x the Triton
+GEMM there), else the Triton GEMM, which walks K one scale block (BLOCK_K = 128) at a time, so each K step is
+one e4m3 `tl.dot` scaled by x_scale[m, kb] * w_scale[n // 128, kb] before it joins the fp32 accumulator. Edge
+blocks (N or K not multiples of 128) are masked to zero on both sides.
 """
 
 import math
@@ -17,7 +18,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import dispatch
-from engine.kernels.fp8 import reference
+from engine.kernels.fp8 import cublas, reference
 from engine.kernels.fp8.config import GemmConfig, tuned_config
 from engine.kernels.fp8.quant import has_fp8_dot, quantize_fp8_per_token_group
 from engine.kernels.fp8.reference import Fp8Activation
@@ -167,7 +168,6 @@ def fp8_block_gemm(
         reason = "scale block K is not a power of two >= 16 (tl.dot)"
         dispatch.fallback("fp8_block_linear", reason, x=x, weight_scale_inv=weight_scale_inv)
         return reference.fp8_block_linear(x, weight, weight_scale_inv, bias, block)
-    dispatch.choose("fp8_block_linear", "triton-gemm")
     k = x.shape[-1]
     n = weight.shape[0]
     rows = math.prod(x.shape[:-1])
@@ -175,6 +175,11 @@ def fp8_block_gemm(
         x_q, x_s = xq.q.reshape(rows, k), xq.scale.reshape(rows, -1)
     else:
         x_q, x_s = quantize_fp8_per_token_group(x.reshape(rows, k), bk)  # [M, K] e4m3, [M, KB] fp32
+    if config is None and cublas.fits(rows, weight, block, x.dtype) is None:
+        dispatch.choose("fp8_block_linear", "cublas")  # many rows: cuBLASLt's block-scaled GEMM
+        out = cublas.block_gemm(x_q, x_s, weight, weight_scale_inv, bias, x.dtype)
+        return out.view(*x.shape[:-1], n)
+    dispatch.choose("fp8_block_linear", "triton-gemm")
     m = x_q.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m > 0 and n > 0:

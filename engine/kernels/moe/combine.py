@@ -18,6 +18,17 @@ from engine.kernels.pdl import pdl_launch, pdl_wait
 
 
 @triton.jit
+def block_and_tile(n_tiles):
+    """(row block, N tile) of this program in a grouped GEMM's 1-D grid of num_blocks * n_tiles programs, the
+    N tile fastest: the programs of one row block run together, so its activation rows come from DRAM once
+    and from L2 for the other N tiles, and consecutive row blocks (one expert's) share its weights in L2.
+    (With the row block fastest, each N tile's pass re-read every activation row from DRAM: at 8,192 tokens
+    the bf16 gate/up GEMM moved 2 GB, 8 times its activations, and ran at 371 TFLOP/s on an H200.)"""
+    pid = tl.program_id(0)
+    return pid // n_tiles, pid % n_tiles
+
+
+@triton.jit
 def expert_rows(w_ptr, ws_ptr, expert, num_experts, stride_we, stride_wn, stride_sn, inter, shared_inter):
     """(base pointer, row stride, intermediate size) of routed expert `expert`, or of the shared expert
     (`ws_ptr`) when expert == num_experts. Scalar selects keep one code path; the K strides are equal."""

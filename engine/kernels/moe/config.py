@@ -92,6 +92,13 @@ def tuned_config(
     return entries[min(entries, key=lambda t: (abs(t - num_tokens), t))]
 
 
+def tuned_entries(device: torch.device, directory: Path = CONFIG_DIR) -> dict[str, dict[int, ExpertsConfig]]:
+    """This GPU's whole table (key -> token count -> tiles); empty off CUDA or without one."""
+    if device.type != "cuda":
+        return {}
+    return _table(table_path(device_name(device.index or 0), directory))
+
+
 def choose_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> ExpertsConfig:
     """Blocks by the mean rows per routed expert (shapes only, so no host sync); untuned starting points for
     H200 (`python benchmarks/kernels_moe.py --sweep` times the alternatives on the device).

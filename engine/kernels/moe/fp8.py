@@ -28,7 +28,7 @@ from engine.kernels.fp8.quant import has_fp8_dot, quantize_fp8_per_token_group
 from engine.kernels.fp8.reference import Fp8Activation
 from engine.kernels.moe import gemv, reference
 from engine.kernels.moe.align import align_block_size
-from engine.kernels.moe.combine import combine
+from engine.kernels.moe.combine import block_and_tile, combine
 from engine.kernels.moe.config import ExpertsConfig, GemmTiles, choose_config, table_key, tuned_config
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
@@ -69,8 +69,7 @@ def _fp8_gate_up_kernel(
     PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
     pdl_wait(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = block_and_tile(tl.cdiv(inter, BLOCK_N))
     expert = tl.load(block_experts_ptr + pid_m)
     if expert < 0:
         return
@@ -150,9 +149,8 @@ def _fp8_down_kernel(
     PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
     pdl_wait(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    pid_m, pid_n = block_and_tile(tl.cdiv(hidden, BLOCK_N))
+    pid_k = tl.program_id(1)
     expert = tl.load(block_experts_ptr + pid_m)
     if expert < 0:
         return
@@ -231,7 +229,7 @@ def fused_experts(
         xq, xs = quantize_fp8_per_token_group(x, bk)
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # [T*S, I]
     tiles = config.gate_up
-    _fp8_gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles.block_n))](
+    _fp8_gate_up_kernel[(num_blocks * triton.cdiv(inter, tiles.block_n),)](
         xq, xs, w13, w13_scale, act, *table, hidden, inter, bn, triton.cdiv(inter, bn),
         xq.stride(0), xq.stride(1), xs.stride(0), xs.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2), act.stride(0), act.stride(1),
@@ -240,7 +238,7 @@ def fused_experts(
     aq, as_ = quantize_fp8_per_token_group(act, bk)  # [T*S, I] e4m3, [T*S, ceil(I/bk)] fp32
     split, tiles = config.split_k, config.down
     part = torch.empty(split, n, hidden, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
-    _fp8_down_kernel[(num_blocks, triton.cdiv(hidden, tiles.block_n), split)](
+    _fp8_down_kernel[(num_blocks * triton.cdiv(hidden, tiles.block_n), split)](
         aq, as_, w2, w2_scale, weights, part, *table, hidden, inter, bn,
         aq.stride(0), aq.stride(1), as_.stride(0), as_.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2), weights.stride(0), weights.stride(1),

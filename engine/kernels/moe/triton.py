@@ -22,7 +22,7 @@ import triton.language as tl
 from engine.kernels import dispatch
 from engine.kernels.moe import gemv, reference
 from engine.kernels.moe.align import _align_kernel, _count_kernel, align_block_size  # noqa: F401 (sm_90 test)
-from engine.kernels.moe.combine import combine, expert_rows
+from engine.kernels.moe.combine import block_and_tile, combine, expert_rows
 from engine.kernels.moe.config import ExpertsConfig, GemmTiles, choose_config, table_key, tuned_config
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
@@ -142,8 +142,7 @@ def _gate_up_kernel(
     PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
     pdl_wait(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = block_and_tile(tl.cdiv(tl.maximum(inter, shared_inter), BLOCK_N))
     expert = tl.load(block_experts_ptr + pid_m)
     if expert < 0:
         return
@@ -215,9 +214,8 @@ def _down_kernel(
     PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
     pdl_wait(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    pid_m, pid_n = block_and_tile(tl.cdiv(hidden, BLOCK_N))
+    pid_k = tl.program_id(1)
     expert = tl.load(block_experts_ptr + pid_m)
     if expert < 0:
         return
@@ -292,7 +290,7 @@ def fused_experts(
 
     act = torch.empty(n, max(inter, shared_inter), dtype=x.dtype, device=x.device)  # [T*S, I]
     tiles = config.gate_up
-    _gate_up_kernel[(num_blocks, triton.cdiv(act.shape[1], tiles.block_n))](
+    _gate_up_kernel[(num_blocks * triton.cdiv(act.shape[1], tiles.block_n),)](
         x, w13, shared_w13, act, *table, *sizes,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), shared_w13.stride(0),
         act.stride(0), act.stride(1),
@@ -300,7 +298,7 @@ def fused_experts(
     )  # fmt: skip
     split, tiles = config.split_k, config.down
     part = torch.empty(split, n, hidden, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
-    _down_kernel[(num_blocks, triton.cdiv(hidden, tiles.block_n), split)](
+    _down_kernel[(num_blocks * triton.cdiv(hidden, tiles.block_n), split)](
         act, w2, shared_w2, weights, part, *table, *sizes,
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), shared_w2.stride(0),
         weights.stride(0), weights.stride(1), part.stride(0), part.stride(1), part.stride(2),

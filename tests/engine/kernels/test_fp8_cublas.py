@@ -1,0 +1,50 @@
+"""cuBLASLt's block-scaled FP8 GEMM as the FP8 block linear's many-row path (`fp8.cublas`): when it is taken,
+and, on an H100/H200, that it computes `fp8.reference.fp8_block_linear` at the model's shapes."""
+
+import pytest
+import torch
+
+from engine.kernels import dispatch
+from engine.kernels.fp8 import cublas, reference
+from engine.kernels.fp8 import triton as fp8_triton
+from tests.engine.kernels.test_fp8_triton import BF16, REAL, activations, block_weight, rand
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def test_fits_needs_many_rows_and_a_cuda_weight():
+    w = torch.zeros(256, 2048, dtype=torch.float8_e4m3fn)
+    few = cublas.fits(cublas.MIN_ROWS - 1, w, (128, 128), torch.bfloat16)
+    assert few == "fewer rows than cuBLAS pays for"
+    assert "no block-scaled cuBLASLt GEMM" in cublas.fits(cublas.MIN_ROWS, w, (128, 128), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+def test_fits_refuses_what_cublaslt_cannot_take():
+    w = torch.zeros(256, 2048, dtype=torch.float8_e4m3fn, device="cuda")
+    assert cublas.fits(4096, w, (128, 128), torch.bfloat16) is None
+    assert cublas.fits(4096, w, (128, 64), torch.bfloat16) == "scale blocks are not 128 x 128"
+    assert "multiple of 512" in cublas.fits(4096, w[:, :640], (128, 128), torch.bfloat16)
+    assert "N of 16" in cublas.fits(4096, w[:200], (128, 128), torch.bfloat16)
+    assert cublas.fits(4096, w, (128, 128), torch.float32) == "output dtype is not bf16 or fp16"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("m", [cublas.MIN_ROWS, 1000, 8192])
+@pytest.mark.parametrize("name", ["in_proj_qkvz", "linear_out_proj", "qkv_proj", "expert_w2"])
+def test_many_rows_take_cublas_and_match_the_reference(name, m):
+    n, k = REAL[name]
+    x = activations(m, k, torch.bfloat16, seed=m, device="cuda")
+    w, scale = block_weight(n, k, seed=1, device="cuda")
+    bias = rand(n, seed=2, device="cuda").to(torch.bfloat16)
+    out = fp8_triton.fp8_block_linear(x, w, scale, bias)
+    assert dispatch.usage()["fp8_block_linear"] == "cublas"
+    ref = reference.fp8_block_linear(x.float(), w, scale, bias.float())
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    torch.testing.assert_close(out.float(), ref, **BF16)
+    # the Triton GEMM on the same e4m3 inputs: both sum each 128-channel block's exact e4m3 products in fp32
+    tiles = fp8_triton.gemm_config(m, n, k, x.device)
+    triton_out = fp8_triton.fp8_block_gemm(x, w, scale, bias, config=tiles)
+    torch.testing.assert_close(out, triton_out, rtol=8e-3, atol=2e-3)
