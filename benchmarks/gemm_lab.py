@@ -527,6 +527,36 @@ def write_config(rows: list[dict], device: torch.device) -> None:
     print(f"wrote {path}")
 
 
+def probe(device: torch.device) -> list[dict]:
+    """Which calls of the cuBLAS block-scaled path run, and the error of those that do not (cases as the
+    engine makes them: the probe first, then prefill sizes, odd row counts, a bias, quantised-by-norm x)."""
+    from engine.kernels.fp8 import cublas
+
+    rows = []
+    print(f"cublas available: {cublas._available(device.index or 0)}", flush=True)
+    g = torch.Generator(device=device).manual_seed(0)
+    for name, (n, k) in {**DENSE, "expert_w2": (2048, 512)}.items():
+        wb = (torch.randn(n, k, generator=g, device=device) / k**0.5).to(torch.bfloat16)
+        w, ws = quantize_block_fp8_weight(wb, (128, 128))
+        for m in (16, 512, 1000, 1001, 4096, 8192, 8191):
+            x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+            q, s = quantize_fp8_per_token_group(x, 128)
+            row = {"op": name, "m": m}
+            for label, call in (
+                ("block_gemm", lambda: cublas.block_gemm(q, s, w, ws, None, torch.bfloat16)),
+                ("linear", lambda: fp8_triton.fp8_block_linear(x, w, ws)),
+            ):
+                try:
+                    call()
+                    torch.cuda.synchronize()
+                    row[label] = "ok"
+                except Exception as exc:
+                    row[label] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="dense,grouped,torch")
@@ -544,6 +574,8 @@ def main() -> None:
               "torch": torch.__version__, "triton": triton.__version__}  # fmt: skip
     parts = args.parts.split(",")
     with torch.inference_mode():
+        if "probe" in parts and device.type == "cuda":
+            result["probe"] = probe(device)
         if "dense" in parts and device.type == "cuda":
             result["dense"] = dense(device)
         if "grouped" in parts:

@@ -126,6 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         # (h)-(j) on CUDA: the engine's own budget, as a server sizes it, unless --kv-cache-gib says.
         serve_kv_cache_bytes=None if device.type == "cuda" and not args.kv_cache_gib else kv_cache_bytes,
+        warm_up=args.warm_up,
     )
     bandwidth, matmul = measure_device(device, dtype, args.quick)
     say(f"building {args.model or args.preset} on {device} as {dtype}")
@@ -235,6 +236,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--batches", type=_sizes, help="batch sizes of (b) (default 16,64,256)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--warm-up",
+        action=argparse.BooleanOptionalAction,
+        help="the start-up warm-up of the serving engines of (d), (h)-(j) (default: on with cuda graphs)",
+    )
     parser.add_argument(
         "--repeat",
         type=int,

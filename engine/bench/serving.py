@@ -79,6 +79,7 @@ def _engine(
         max_num_seqs=max_num_seqs,
         max_model_len=shape.prompt_len + shape.new + 8,
         kv_cache_memory=kv_cache_bytes,
+        warm_up=b.settings.warm_up,
         **flat,
     )
     return Engine(b.model, b.config, None, b.device, b.dtype, options)

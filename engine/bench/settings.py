@@ -77,3 +77,4 @@ class Settings:
     max_num_seqs: int  # of workload (d)
     seed: int
     serve_kv_cache_bytes: int | None = None  # of (h)-(j); None: the engine's own budget from free memory
+    warm_up: bool | None = None  # the serving engines' warm_up option; None: the engine's default

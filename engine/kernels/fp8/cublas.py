@@ -21,6 +21,7 @@ import torch
 
 MIN_ROWS = 512  # measured faster than the Triton block GEMM at every size from here (f259c7c)
 BLOCK = (128, 128)
+_REFUSED: set[tuple[int, int, int]] = set()  # (M, N, K) cuBLASLt refused once: the Triton GEMM runs them
 
 
 @functools.cache
@@ -46,6 +47,8 @@ def fits(rows: int, weight: torch.Tensor, block: tuple[int, int], out_dtype: tor
     n, k = weight.shape
     if rows < MIN_ROWS:
         return "fewer rows than cuBLAS pays for"
+    if (rows, n, k) in _REFUSED:
+        return "cuBLASLt refused this shape before"
     if weight.device.type != "cuda" or not _available(weight.device.index or 0):
         return "no block-scaled cuBLASLt GEMM on this device (sm_90, cuBLASLt >= 12.9)"
     if tuple(block) != BLOCK:
@@ -66,9 +69,14 @@ def block_gemm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """x_q [M, K] e4m3 with x_scale [M, K/128] fp32 times weight [N, K] e4m3 with weight_scale_inv
-    [N/128, K/128] -> [M, N] in `out_dtype` (+ bias), where `fits` said yes."""
+    [N/128, K/128] -> [M, N] in `out_dtype` (+ bias), where `fits` said yes; None when cuBLASLt refuses the
+    call (its heuristic finds no algorithm: the shape is remembered, and the caller runs the Triton GEMM)."""
     scale_a = x_scale.t().contiguous().t()  # M-major, as cuBLASLt reads it
-    out = torch._scaled_mm(
-        x_q, weight.t(), scale_a=scale_a, scale_b=weight_scale_inv.t(), out_dtype=out_dtype
-    )
+    try:
+        out = torch._scaled_mm(
+            x_q, weight.t(), scale_a=scale_a, scale_b=weight_scale_inv.t(), out_dtype=out_dtype
+        )
+    except RuntimeError:
+        _REFUSED.add((x_q.shape[0], *weight.shape))
+        return None
     return out if bias is None else out.add_(bias.to(out_dtype))

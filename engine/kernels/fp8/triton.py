@@ -176,9 +176,12 @@ def fp8_block_gemm(
     else:
         x_q, x_s = quantize_fp8_per_token_group(x.reshape(rows, k), bk)  # [M, K] e4m3, [M, KB] fp32
     if config is None and cublas.fits(rows, weight, block, x.dtype) is None:
-        dispatch.choose("fp8_block_linear", "cublas")  # many rows: cuBLASLt's block-scaled GEMM
         out = cublas.block_gemm(x_q, x_s, weight, weight_scale_inv, bias, x.dtype)
-        return out.view(*x.shape[:-1], n)
+        if out is not None:
+            dispatch.choose("fp8_block_linear", "cublas")  # many rows: cuBLASLt's block-scaled GEMM
+            return out.view(*x.shape[:-1], n)
+        reason = "cuBLASLt refused the block-scaled GEMM (no algorithm); the Triton GEMM runs this shape"
+        dispatch.fallback("fp8_block_linear", reason, "triton-gemm", x=x_q, weight=weight)
     dispatch.choose("fp8_block_linear", "triton-gemm")
     m = x_q.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -19,6 +19,32 @@ def test_fits_needs_many_rows_and_a_cuda_weight():
     assert "no block-scaled cuBLASLt GEMM" in cublas.fits(cublas.MIN_ROWS, w, (128, 128), torch.bfloat16)
 
 
+def test_a_shape_cublaslt_refuses_runs_on_the_triton_gemm_and_is_not_asked_again(monkeypatch, caplog):
+    # cuBLASLt's heuristic may find no algorithm for a call (CUBLAS_STATUS_NOT_SUPPORTED, seen on the H200 at
+    # 0356086): that shape falls back to the Triton GEMM, logged once, and cuBLASLt is not asked again.
+    asked = []
+
+    def refuse(a, *args, **kwargs):
+        asked.append(a.shape[0])
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED (cublasLtMatmulAlgoGetHeuristic)")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    monkeypatch.setattr(cublas, "_REFUSED", set())
+    real_fits = cublas.fits
+    monkeypatch.setattr(cublas, "fits", lambda rows, *rest: None if rows >= cublas.MIN_ROWS else "few")
+    m, n, k = 600, 256, 512
+    x = activations(m, k, torch.float32, seed=3)
+    w, scale = block_weight(n, k, seed=4)
+    for _ in range(2):
+        out = fp8_triton.fp8_block_linear(x, w, scale)
+        torch.testing.assert_close(out, reference.fp8_block_linear(x, w, scale), rtol=1e-4, atol=1e-5)
+        assert dispatch.usage()["fp8_block_linear"] == "triton-gemm"
+    assert asked == [m, m]  # the patched `fits` does not remember; the real one does:
+    assert {(m, n, k)} == cublas._REFUSED
+    assert real_fits(m, w, (128, 128), torch.bfloat16) == "cuBLASLt refused this shape before"
+    assert [r for r in caplog.records if "cuBLASLt refused" in r.getMessage()][:1]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 def test_fits_refuses_what_cublaslt_cannot_take():
