@@ -42,11 +42,17 @@ def _available(index: int) -> bool:
         return False
 
 
-def fits(rows: int, weight: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype) -> str | None:
+def fits(
+    rows: int, weight: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype, bias: bool = False
+) -> str | None:
     """None when `block_gemm` can run these shapes on this device, else the reason it cannot."""
     n, k = weight.shape
     if rows < MIN_ROWS:
         return "fewer rows than cuBLAS pays for"
+    if bias:
+        # Added to the rounded output it would round twice (1 bf16 ulp more, measured on the H200); the
+        # Triton GEMM adds it in fp32 first. Qwen3.5's projections have no bias.
+        return "a bias (the Triton GEMM adds it before its one rounding)"
     if (rows, n, k) in _REFUSED:
         return "cuBLASLt refused this shape before"
     if weight.device.type != "cuda" or not _available(weight.device.index or 0):
@@ -65,12 +71,12 @@ def block_gemm(
     x_scale: torch.Tensor,
     weight: torch.Tensor,
     weight_scale_inv: torch.Tensor,
-    bias: torch.Tensor | None,
     out_dtype: torch.dtype,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """x_q [M, K] e4m3 with x_scale [M, K/128] fp32 times weight [N, K] e4m3 with weight_scale_inv
-    [N/128, K/128] -> [M, N] in `out_dtype` (+ bias), where `fits` said yes; None when cuBLASLt refuses the
-    call (its heuristic finds no algorithm: the shape is remembered, and the caller runs the Triton GEMM)."""
+    [N/128, K/128] -> [M, N] in `out_dtype`, where `fits` said yes; None when cuBLASLt refuses the call (its
+    heuristic finds no algorithm, as for 513 rows of in_proj_qkvz on the H200: the shape is remembered, and
+    the caller runs the Triton GEMM)."""
     scale_a = x_scale.t().contiguous().t()  # M-major, as cuBLASLt reads it
     try:
         out = torch._scaled_mm(
@@ -79,4 +85,4 @@ def block_gemm(
     except RuntimeError:
         _REFUSED.add((x_q.shape[0], *weight.shape))
         return None
-    return out if bias is None else out.add_(bias.to(out_dtype))
+    return out

@@ -175,8 +175,8 @@ def fp8_block_gemm(
         x_q, x_s = xq.q.reshape(rows, k), xq.scale.reshape(rows, -1)
     else:
         x_q, x_s = quantize_fp8_per_token_group(x.reshape(rows, k), bk)  # [M, K] e4m3, [M, KB] fp32
-    if config is None and cublas.fits(rows, weight, block, x.dtype) is None:
-        out = cublas.block_gemm(x_q, x_s, weight, weight_scale_inv, bias, x.dtype)
+    if config is None and cublas.fits(rows, weight, block, x.dtype, bias is not None) is None:
+        out = cublas.block_gemm(x_q, x_s, weight, weight_scale_inv, x.dtype)
         if out is not None:
             dispatch.choose("fp8_block_linear", "cublas")  # many rows: cuBLASLt's block-scaled GEMM
             return out.view(*x.shape[:-1], n)

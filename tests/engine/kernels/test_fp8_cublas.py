@@ -54,6 +54,7 @@ def test_fits_refuses_what_cublaslt_cannot_take():
     assert "multiple of 512" in cublas.fits(4096, w[:, :640], (128, 128), torch.bfloat16)
     assert "N of 16" in cublas.fits(4096, w[:200], (128, 128), torch.bfloat16)
     assert cublas.fits(4096, w, (128, 128), torch.float32) == "output dtype is not bf16 or fp16"
+    assert "bias" in cublas.fits(4096, w, (128, 128), torch.bfloat16, bias=True)
 
 
 @pytest.mark.gpu
@@ -64,13 +65,18 @@ def test_many_rows_take_cublas_and_match_the_reference(name, m):
     n, k = REAL[name]
     x = activations(m, k, torch.bfloat16, seed=m, device="cuda")
     w, scale = block_weight(n, k, seed=1, device="cuda")
-    bias = rand(n, seed=2, device="cuda").to(torch.bfloat16)
-    out = fp8_triton.fp8_block_linear(x, w, scale, bias)
+    out = fp8_triton.fp8_block_linear(x, w, scale)
     assert dispatch.usage()["fp8_block_linear"] == "cublas"
-    ref = reference.fp8_block_linear(x.float(), w, scale, bias.float())
+    ref = reference.fp8_block_linear(x.float(), w, scale)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     torch.testing.assert_close(out.float(), ref, **BF16)
-    # the Triton GEMM on the same e4m3 inputs: both sum each 128-channel block's exact e4m3 products in fp32
+    # The Triton GEMM on the same e4m3 inputs: both sum each 128-channel block's e4m3 products in fp32 and
+    # round once; measured on the H200 they differ by at most one bf16 ulp (same error statistics).
     tiles = fp8_triton.gemm_config(m, n, k, x.device)
-    triton_out = fp8_triton.fp8_block_gemm(x, w, scale, bias, config=tiles)
-    torch.testing.assert_close(out, triton_out, rtol=8e-3, atol=2e-3)
+    triton_out = fp8_triton.fp8_block_gemm(x, w, scale, config=tiles)
+    ulp = torch.finfo(torch.bfloat16).eps * triton_out.float().abs().clamp_min(2**-20)
+    assert ((out.float() - triton_out.float()).abs() <= ulp * 1.01).all()
+    # With a bias the Triton GEMM runs: adding it to cuBLAS's rounded output would round twice.
+    bias = rand(n, seed=2, device="cuda").to(torch.bfloat16)
+    fp8_triton.fp8_block_linear(x, w, scale, bias)
+    assert dispatch.usage()["fp8_block_linear"] == "triton-gemm"
