@@ -5,8 +5,10 @@ each variant: a tile table entry (the MoE and dense FP8 tables pick tiles by tok
 specialisation of integer arguments (a count of 1, a multiple of 16, or neither). Left to the first requests,
 each new variant stalls a step for the compiler (0.5-3 s each on an H200 host; the FP8 engine has more tables,
 so more variants). `warm_up` runs synthetic requests through the core before it serves: one prefill at every
-token count of `token_counts` (each tuned table count, every power of two, and each one plus one), then
-mixed steps of a few decode batch sizes beside a prompt's chunk, then drops them and resets the counters.
+token count of `token_counts` up to the step budget (each tuned table count, every power of two, and each
+one plus one; several prompts where the context is shorter than the count, as a serving step batches them),
+then mixed steps of a few decode batch sizes beside a prompt's chunk, then drops them and resets the
+counters.
 vLLM warms its engine the same way (dummy runs at its capture sizes) before it takes requests.
 """
 
@@ -72,8 +74,12 @@ def warm_up(core, vocab_size: int, max_model_len: int) -> WarmUp:
         return Sequence(next(made), ids, params, None, set(), None, max_model_len, device)
 
     prefill = 0
-    for t in token_counts(longest, tuned_token_counts(device)):
-        core.add(request(t, 1))
+    for t in token_counts(budget, tuned_token_counts(device)):
+        # One step of t prompt tokens: as many prompts as the context needs (a serving step batches several),
+        # within the sequence limit.
+        count = min(-(-t // longest), core.scheduler.max_num_seqs)
+        for i in range(count):
+            core.add(request(max(1, t // count + (i < t % count)), 1))
         while core.has_work():
             core.step()
             prefill += 1

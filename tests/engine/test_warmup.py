@@ -22,7 +22,10 @@ def test_token_counts_reach_every_power_of_two_and_tuned_count_with_both_divisib
 
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_warm_engine_is_left_as_a_cold_one(demo_dir, asynchronous):
-    options = dict(device="cpu", dtype="float32", max_num_batched_tokens=64, max_num_seqs=20)
+    # a context shorter than the step budget: the warm-up's larger steps batch several prompts
+    options = dict(
+        device="cpu", dtype="float32", max_num_batched_tokens=256, max_num_seqs=20, max_model_len=120
+    )
     cold = Engine.from_pretrained(demo_dir, **options, async_scheduling=asynchronous)
     warm = Engine.from_pretrained(demo_dir, **options, async_scheduling=asynchronous, warm_up=True)
     core = warm.core
