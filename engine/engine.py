@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Sequence as Seq
@@ -17,12 +18,14 @@ from engine.async_core import build_core
 from engine.config import ModelConfig, load_config
 from engine.core import StepFailed
 from engine.errors import EngineError, RequestError
+from engine.grammar import GrammarCompiler, GrammarState
 from engine.loader import load_model, quantization_mode
 from engine.model.model import CausalLM
 from engine.options import MAX_SPECULATIVE_TOKENS as MAX_SPECULATIVE_TOKENS  # re-exported: its old home
 from engine.options import EngineOptions
 from engine.outputs import EngineStats, RequestOutput
 from engine.planner import plan_for
+from engine.reasoning import ThinkTokens
 from engine.runner import Drafter
 from engine.sampling import SamplingParams
 from engine.sequence import PrefixSpec, Sequence
@@ -61,9 +64,11 @@ class Engine:
         options: EngineOptions | None = None,
         *,
         drafter: Drafter | None = None,
+        name: str = "enclave",
     ) -> None:
         """Serve `model` (already on `device` in `dtype`) with `options` (their `load` part is
-        `from_pretrained`'s); `drafter` stands in for the MTP head (tests, benchmarks)."""
+        `from_pretrained`'s); `drafter` stands in for the MTP head (tests, benchmarks); `name` is the served
+        model's name that outputs carry (`from_pretrained`: the checkpoint directory's)."""
         options = options or EngineOptions()
         k = options.speculation.num_speculative_tokens
         if k and model.mtp is None and drafter is None:
@@ -79,6 +84,9 @@ class Engine:
         self.max_model_len = min(options.serving.max_model_len or config.max_model_len, config.max_model_len)
         eos = set(config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.eos_token_ids = frozenset(eos)
+        self.model_name = name
+        self.think = ThinkTokens.of(tokenizer)  # a request may split reasoning from its answer with these
+        self._grammars: GrammarCompiler | None = None
         num_mtp = len(model.mtp.layers) if model.mtp is not None and k else 0
         self.max_num_seqs, self.plan = plan_for(
             config, dtype, device, options, max_model_len=self.max_model_len, num_mtp_layers=num_mtp
@@ -128,7 +136,8 @@ class Engine:
         model = load_model(path, config, device, dtype, quantization)
         fp8 = ", projections and experts in fp8" if quantization else ""
         log.info("loaded %s (%s) on %s as %s%s", path, config.model_type, device, dtype, fp8)
-        return cls(model, config, tokenizer, device, dtype, options, drafter=drafter)
+        name = Path(path).resolve().name or "enclave"
+        return cls(model, config, tokenizer, device, dtype, options, drafter=drafter, name=name)
 
     @property
     def has_mtp(self) -> bool:
@@ -237,7 +246,9 @@ class Engine:
                 self._fail_all(exc)
             return True
         for seq in finished:
-            self._futures.pop(id(seq)).set_result(seq.to_output())
+            output = seq.to_output()
+            output.model = self.model_name
+            self._futures.pop(id(seq)).set_result(output)
         return True
 
     def _idle(self) -> bool:
@@ -318,6 +329,8 @@ class Engine:
             self._require_tokenizer("stop strings")
         if bad := [t for t in params.stop_token_ids if t >= vocab]:
             raise RequestError(f"stop token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if bad := [t for t in params.logit_bias or () if t >= vocab]:
+            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         return Sequence(
             index,
@@ -330,7 +343,21 @@ class Engine:
             self.device,
             priority=priority,
             prefix=self._prefix(prefix, ids, add_special_tokens),
+            grammar=self._grammar(params),
+            think=self.think if params.split_reasoning else None,
         )
+
+    def _grammar(self, params: SamplingParams) -> GrammarState | None:
+        """A matcher for the request's constraint (compiled here, in the submitting thread, and cached)."""
+        if params.constraint is None:
+            return None
+        tokenizer = self._require_tokenizer("constrained output")
+        with self._cond:
+            if self._grammars is None:
+                threads = min(8, os.cpu_count() or 1)
+                eos = sorted(self.eos_token_ids)
+                self._grammars = GrammarCompiler(tokenizer, self.config.vocab_size, eos, threads)
+        return self._grammars.state(params.constraint)
 
     def _token_ids(self, index: int, prompt: Prompt, add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):

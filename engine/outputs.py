@@ -67,7 +67,14 @@ class RequestOutput:
 
     `token_ids` are the generated ids (the stop or EOS token that ended generation included, as in vLLM);
     `text` is their decoding with stop strings and the ending stop token cut off, or None without a tokenizer.
-    `finish_reason` is "stop" (EOS, a stop id or a stop string) or "length" (max_tokens or the context limit).
+    `finish_reason` is "stop" (EOS, a stop id, a stop string or a completed grammar) or "length" (max_tokens
+    or the context limit).
+
+    With a reasoning block (`<think>`, opened by the prompt or by the output) `text` is the answer only and
+    `reasoning` the block's text; `reasoning_tokens` counts the tokens before the answer (tags included) and
+    `reasoning_finished` is False when generation stopped inside the block, before any answer. `model` is
+    the served model's name; `token_texts` decodes each token id of `token_ids` and `logprobs`, when
+    log-probabilities were asked for.
     """
 
     index: int
@@ -79,6 +86,11 @@ class RequestOutput:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     metrics: RequestMetrics | None = None
+    reasoning: str | None = None
+    reasoning_tokens: int = 0
+    reasoning_finished: bool = True
+    model: str | None = None
+    token_texts: dict[int, str] | None = None
     prompt_token_count: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ from engine.graphs import DecodeGraphs
 from engine.kernels import SeqLayout
 from engine.model.model import CausalLM
 from engine.planner import CachePlan
+from engine.processors import LogitsProcessors, needs_processing
 from engine.sampler import filtered_probs, logprob_entries, sample_rows, to_device
 from engine.scheduler import NOTHING, Drafts, Sampled, ScheduledSeq, SchedulerOutput
 from engine.sequence import PENDING, Sequence
@@ -39,9 +40,10 @@ class Launched:
     items: list[ScheduledSeq]
     layout: SeqLayout
     emit_rows: list[list[int]]  # per item, the flat-batch rows whose logits it samples from
-    logits: torch.Tensor  # [rows, V] fp32
+    logits: torch.Tensor  # [rows, V] fp32, after penalties, bias and grammar masks
     tokens: torch.Tensor  # [rows] int64: each row's argmax or draw (drafts accepted later)
     mtp_input: torch.Tensor | None  # [T, H] the hidden states the MTP head reads (speculation only)
+    raw_logits: torch.Tensor | None = None  # [rows, V] the model's own, kept for log-probs when changed
 
     def token_rows(self) -> list[int | None]:
         """Per item, its (first) row in `tokens`, or None when it samples nothing."""
@@ -80,6 +82,7 @@ class ModelRunner:
         self.k = num_speculative_tokens
         self.drafter = drafter
         self.graphs = graphs  # CUDA graphs for decode and verify steps; None runs every step eagerly
+        self.processors = LogitsProcessors(self.device)
 
     @torch.inference_mode()
     def launch(
@@ -109,15 +112,27 @@ class ModelRunner:
             mtp_input = normed if self.mtp_hidden == "normed" else hidden
         else:
             logits = self.model.logits(self.model.final_norm(hidden if wanted is None else hidden[wanted]))
+        raw = None
+        processed = [item for item in items if item.samples and needs_processing(item.seq)]
+        if processed:
+            if any(item.seq.params.logprobs is not None for item in processed):
+                raw = logits.clone()  # log-probs report the model's distribution, not the masked one
+            # The host fills the grammar masks here, while the device runs the forward pass queued above.
+            self.processors.apply(items, emit_rows, logits)
         tokens = self._tokens(items, emit_rows, logits)
-        return Launched(items, layout, emit_rows, logits, tokens, mtp_input)
+        return Launched(items, layout, emit_rows, logits, tokens, mtp_input, raw)
 
     def deferrable(self, launched: Launched) -> bool:
         """Whether the step's tokens can wait on the device: not with drafts to verify or propose, nor with
-        log-probabilities to compute from its logits."""
+        log-probabilities to compute from its logits, nor when a request's next logits depend on its tokens
+        on the host (penalties, a grammar)."""
         if self.k or self.drafter is not None:
             return False
-        return all(item.seq.params.logprobs is None for item in launched.items if item.samples)
+        return all(
+            item.seq.params.logprobs is None and not needs_processing(item.seq)
+            for item in launched.items
+            if item.samples
+        )
 
     @torch.inference_mode()
     def defer(self, launched: Launched) -> Readback:
@@ -214,6 +229,7 @@ class ModelRunner:
         """Read the step's tokens: per scheduled sequence, its next token, or its drafts kept and the token
         after them (committing the DeltaNet state of the accepted length), with log-probs where asked for."""
         items, emit_rows, logits = launched.items, launched.emit_rows, launched.logits
+        raw = launched.raw_logits if launched.raw_logits is not None else logits
         argmax = launched.tokens.tolist()
         sampled: list[Sampled] = []
         commits: list[tuple[int, int]] = []
@@ -243,7 +259,7 @@ class ModelRunner:
             want = seq.params.logprobs
             lps = None
             if want is not None:  # slicing the logits costs microseconds per sequence: only when asked for
-                lps = tuple(logprob_entries(logits[block][: len(tokens)], tokens, [want] * len(tokens)))
+                lps = tuple(logprob_entries(raw[block][: len(tokens)], tokens, [want] * len(tokens)))
             sampled.append(Sampled(tuple(tokens), lps, kept))
         self.cache.copy_slots([a for a, _ in commits], [b for _, b in commits])
         return sampled

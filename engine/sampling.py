@@ -5,9 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.constraints import Constraint
 from engine.errors import RequestError
 
 MAX_LOGPROBS = 20
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence and frequency penalties
+BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range for a logit bias
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 
 
 @dataclass
@@ -19,6 +23,12 @@ class SamplingParams:
     in its batch. `stop` strings end generation and are cut from the text; `stop_token_ids` (and the
     model's EOS ids unless `ignore_eos`) end it too. `logprobs` k returns the k most likely tokens'
     log-probabilities (raw model distribution), plus the chosen token's, at each generated position.
+    `presence_penalty` and `frequency_penalty` (-2..2) lower a token's logit once if it was generated
+    before, and per time it was; `logit_bias` adds to chosen tokens' logits (-100..100), as OpenAI's.
+    `constraint` restricts the output to a grammar (`engine.constraints.Constraint`). `split_reasoning`
+    splits a reasoning block (`<think>`...`</think>`, opened by the prompt or the output) from the answer:
+    the output's `text` is the answer and `reasoning` the block, and the constraint and stop strings apply
+    to the answer only (from the block's end).
     """
 
     max_tokens: int | None = 16
@@ -31,6 +41,11 @@ class SamplingParams:
     logprobs: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    constraint: Constraint | None = None
+    split_reasoning: bool = False
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -57,10 +72,34 @@ class SamplingParams:
             self.logprobs = _int("logprobs", self.logprobs, minimum=0)
             if self.logprobs > MAX_LOGPROBS:
                 raise RequestError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name))
+            if not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
+                raise RequestError(f"{name} must be between -2 and 2, got {value}")
+            setattr(self, name, value)
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise RequestError("constraint must be an engine.constraints.Constraint")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    if not isinstance(value, dict):
+        raise RequestError("logit_bias must map token ids to numbers")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+    bias = {}
+    for token, amount in value.items():
+        token = _int("logit_bias token id", token, minimum=0)
+        amount = _float("logit_bias value", amount)
+        if not BIAS_RANGE[0] <= amount <= BIAS_RANGE[1]:
+            raise RequestError(f"logit_bias values must be between -100 and 100, got {amount}")
+        bias[token] = amount
+    return bias
 
 
 def _int(name: str, value: object, minimum: int | None = None) -> int:

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.outputs import RequestMetrics, RequestOutput
+from engine.reasoning import ReasoningSplit, ThinkTokens
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarState
+
+log = logging.getLogger(__name__)
 
 # Stands in `token_ids` / `output_ids` for a token the device has sampled and the host has not read yet.
 PENDING = -1
@@ -39,6 +47,10 @@ class Sequence:
     tokens: each such token is `reserve`d as a PENDING placeholder (counted, so the scheduler plans around
     it; its value goes from device to device into the next step's input) and later `resolve`d, oldest
     first, which runs the stop checks. `num_pending` placeholders are always the last tokens.
+
+    `think` (the vocabulary's `<think>`/`</think>` ids) splits the output into reasoning and answer; when
+    the prompt leaves a block open the request starts `in_reasoning`. `grammar` (a constrained request's
+    matcher) advances over the answer's tokens only, and a completed grammar ends the request.
     """
 
     def __init__(
@@ -54,6 +66,9 @@ class Sequence:
         priority: int = 0,
         prefix: PrefixSpec | None = None,
         arrival: int = 0,
+        *,
+        grammar: GrammarState | None = None,
+        think: ThinkTokens | None = None,
     ) -> None:
         self.index = index
         self.device = device
@@ -81,6 +96,13 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.text: str | None = None
+        self.grammar = grammar
+        self.think = think
+        self.reasoning_opened = think is not None and think.opens(prompt_ids)
+        self.in_reasoning = self.reasoning_opened  # the answer (and the grammar) starts after `</think>`
+        self.answer_start: int | None = None if self.in_reasoning else 0  # index into output_ids
+        self.split = ReasoningSplit(None, [])
+        self.reasoning_tokens = 0
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -134,18 +156,36 @@ class Sequence:
         self.token_ids.append(token)
         if logprobs is not None:
             self.logprobs.append(logprobs)
+        grammar_done = self._advance_answer(token)
         if token in self.stop_ids:
             self._finish("stop", token)
+        elif grammar_done:  # the answer is complete: this token is its last, not a stop token
+            self._finish("stop", None, keep_last=True)
         elif self.params.stop_strings and self._hit_stop_string():
             pass
         elif self.exhausted:
             self._finish("length", None)
 
+    def _advance_answer(self, token: int) -> bool:
+        """Track the reasoning block and advance the grammar over answer tokens; True when nothing may
+        follow in the grammar (only a stop token would) or it refuses the token: either ends the request."""
+        if self.in_reasoning:
+            if self.think is not None and token == self.think.end:
+                self.in_reasoning = False
+                self.answer_start = len(self.output_ids)
+            return False
+        if self.grammar is None:
+            return False
+        if not self.grammar.accept(token):  # masked logits cannot pick it: a bug, not the request's fault
+            log.error("request %d: token %d is outside its grammar; ending it", self.index, token)
+            return True
+        return self.grammar.done
+
     def force_finish(self, reason: str) -> None:
         """End the request now (the engine could not continue it), keeping what it generated."""
         if not self.finished:
             self.finish_reason, self.stop_reason = reason, None
-            self.text = self._decode(self.output_ids)
+            self._set_texts(self.output_ids)
 
     def prefix_filler(self) -> Sequence:
         """An internal sequence that computes this request's shared prefix (all but its last token)."""
@@ -167,7 +207,10 @@ class Sequence:
         return filler
 
     def _hit_stop_string(self) -> bool:
-        text = self._decode(self.output_ids)
+        """Stop strings end the answer: they are looked for after any reasoning block."""
+        if self.answer_start is None:
+            return False
+        text = self._decode(self.output_ids[self.answer_start :])
         longest = max(len(s) for s in self.params.stop_strings)
         # Only the tail can hold a newly completed stop string; the earliest match in it wins.
         tail_start = max(0, len(text) - longest - 8)
@@ -175,14 +218,21 @@ class Sequence:
         if not hits:
             return False
         cut, which = min(hits)
+        self._set_texts(self.output_ids)
         self.text = text[:cut]
         self.finish_reason, self.stop_reason = "stop", which
         return True
 
-    def _finish(self, reason: str, stop_reason: int | str | None) -> None:
+    def _finish(self, reason: str, stop_reason: int | str | None, keep_last: bool = False) -> None:
         self.finish_reason, self.stop_reason = reason, stop_reason
-        ids = self.output_ids[:-1] if reason == "stop" else self.output_ids
-        self.text = self._decode(ids)
+        self._set_texts(self.output_ids[:-1] if reason == "stop" and not keep_last else self.output_ids)
+
+    def _set_texts(self, ids: list[int]) -> None:
+        """Split `ids` (the output without its stop token) into reasoning and answer; `text` is the
+        answer's decoding."""
+        self.split = self.think.split(ids, self.reasoning_opened) if self.think else ReasoningSplit(None, ids)
+        self.text = self._decode(self.split.answer)
+        self.reasoning_tokens = len(ids) - len(self.split.answer) if self.split.reasoning is not None else 0
 
     def _decode(self, ids: list[int]) -> str | None:
         if self.tokenizer is None:
@@ -204,4 +254,16 @@ class Sequence:
             stop_reason=self.stop_reason,
             logprobs=self.logprobs if self.params.logprobs is not None else None,
             metrics=m,
+            reasoning=self._decode(self.split.reasoning) if self.split.reasoning is not None else None,
+            reasoning_tokens=self.reasoning_tokens,
+            reasoning_finished=self.split.finished,
+            token_texts=self._token_texts() if self.params.logprobs is not None else None,
         )
+
+    def _token_texts(self) -> dict[int, str] | None:
+        """Each token of the output and of its log-probability entries, decoded alone (special tokens
+        shown), for OpenAI's `logprobs.content[].token`."""
+        if self.tokenizer is None:
+            return None
+        ids = set(self.output_ids) | {t for entry in self.logprobs for t in entry}
+        return {t: self.tokenizer.decode([t], skip_special_tokens=False) for t in sorted(ids) if t >= 0}

@@ -26,6 +26,7 @@ from jobs.params import JobParamError
 
 if TYPE_CHECKING:
     from engine import Engine, RequestOutput, SamplingParams
+    from engine.constraints import Constraint
 
 __all__ = [
     "INVALID_REQUEST",
@@ -88,12 +89,14 @@ class DocumentResult:
     raw: str | None = None
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
     detail: str | None = None
+    reasoning: str | None = None  # the model's reasoning, kept when the job asked for it (sealed only)
 
 
 class ModelInfo(Protocol):
     """What kinds may ask of the model."""
 
     max_model_len: int
+    name: str  # the served model's name
 
     def count_tokens(self, text: str) -> int: ...
 
@@ -106,6 +109,7 @@ class EngineModel:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.max_model_len = engine.config.max_model_len
+        self.name = engine.model_name
 
     def count_tokens(self, text: str) -> int:
         return len(self.engine.tokenizer.encode(text, add_special_tokens=False))
@@ -173,24 +177,40 @@ class JobKind(ABC):
         detail sealed."""
         return DocumentResult(status="failed", output=None, error=error.reason, detail=error.detail)
 
-    def instructed_request(self, model: ModelInfo, instructions: str, text: str) -> EngineRequest:
+    def instructed_request(
+        self, model: ModelInfo, instructions: str, text: str, constraint: Constraint | None = None
+    ) -> EngineRequest:
         """The one-prompt request of most kinds: `instructions` (plus the job's optional `instructions`
-        parameter) as the system message, the document text as the user message, checked to fit."""
+        parameter) as the system message, the document text as the user message, checked to fit; the answer
+        held to `constraint` when given."""
         if extra := self._params.get("instructions"):
             instructions += "\n\n" + extra
         messages = [{"role": "system", "content": instructions}, {"role": "user", "content": text}]
-        prompt = model.render_chat(messages)
+        prompt = self.render(model, messages)
         ensure_fits(model, prompt, text, self._params["max_tokens"])
         at = prompt.rfind(text) if text else -1
-        return EngineRequest(prompt, self.sampling(), prefix=prompt[:at] if at > 0 else None)
+        return EngineRequest(prompt, self.sampling(constraint), prefix=prompt[:at] if at > 0 else None)
 
-    def sampling(self) -> SamplingParams:
-        """SamplingParams from the normalised parameters (max_tokens, temperature, top_p, seed)."""
+    def render(self, model: ModelInfo, messages: list[dict]) -> str:
+        """The conversation through the model's chat template, with the job's `enable_thinking`."""
+        if "enable_thinking" in self._params:
+            return model.render_chat(messages, enable_thinking=self._params["enable_thinking"])
+        return model.render_chat(messages)
+
+    def sampling(self, constraint: Constraint | None = None) -> SamplingParams:
+        """SamplingParams from the normalised parameters (max_tokens, temperature, top_p, seed); the
+        reasoning block split from the answer, which `constraint` (if any) holds to its grammar."""
         from engine.sampling import SamplingParams  # lazy: torch is for workers, not the CLI
 
         keys = ("max_tokens", "temperature", "top_p", "seed")
         values = {key: self._params[key] for key in keys if key in self._params}
-        return SamplingParams(**values)
+        return SamplingParams(**values, split_reasoning=True, constraint=constraint)
+
+    def reasoning_of(self, outputs: list[RequestOutput]) -> str | None:
+        """The outputs' reasoning when the job asked to keep it (`include_reasoning`), else None."""
+        from jobs.thinking import joined_reasoning
+
+        return joined_reasoning(outputs) if self._params.get("include_reasoning") else None
 
 
 def one_line(text: str, limit: int) -> str:

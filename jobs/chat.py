@@ -1,14 +1,14 @@
 """Kind "chat": OpenAI Batch API requests, one batch line per document (path = custom_id, data = the line).
 
 Supported urls: /v1/chat/completions (messages through the chat template) and /v1/completions (one prompt,
-text or token ids). Body fields read: max_completion_tokens or max_tokens (default: the kind's max_tokens
-parameter, 256, lowered to what the context leaves), temperature (default 1, as OpenAI), top_p, seed, stop,
-n (must be 1), model (echoed; default "enclave"). Others are ignored.
+text or token ids). The body is parsed by the pydantic models of `jobs.openai_request`: every parameter is
+honoured or the line is refused with an OpenAI-shaped 400 naming it. `n` choices are `n` engine requests
+(seeded `seed + i` when a seed is given). The response's `model` is the served model's name. Thinking
+follows `chat_template_kwargs.enable_thinking`, else `reasoning_effort`, else the template; the reasoning is
+returned as the message's `reasoning_content` and counted in `usage.completion_tokens_details`.
 
-A failed document's result carries its machine code in `output`: `{"code": "invalid_request_error"}` for
-bad request content or an unsupported url, `{"code": "processing_error"}` otherwise; `output_line` reads
-it. Reasons name JSON paths (`body.messages[0].content`) and types, never what the line says; the full
-message goes into the sealed `detail`.
+A failed document's result carries OpenAI's error in `output`: `{"code", "param", "type", "status_code"}`
+(`output_line` writes a 400 response for it); reasons name JSON paths, never what the line says.
 """
 
 from __future__ import annotations
@@ -25,15 +25,22 @@ from jobs.base import (
     EngineRequest,
     JobKind,
     ModelInfo,
-    one_output,
-    usage_of,
 )
-from jobs.bounded_json import has_lone_surrogate, json_type
 from jobs.openai_batch import BadLine, parse_line
-from jobs.params import MAX_TOKENS_LIMIT, SEED_RANGE, take_int
+from jobs.openai_request import (
+    CONTEXT_LENGTH_EXCEEDED,
+    ChatRequest,
+    CompletionRequest,
+    RequestRefused,
+    invalid,
+    parse_request,
+)
+from jobs.params import MAX_TOKENS_LIMIT, take_int
+from jobs.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
     from engine import RequestOutput, SamplingParams
+    from engine.constraints import Constraint
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -56,163 +63,229 @@ class Chat(JobKind):
 
     def requests(self, doc: Document, model: ModelInfo) -> list[EngineRequest]:
         url, body = _request(doc)
-        if not (body.get("n") is None or (type(body["n"]) is int and body["n"] == 1)):
-            raise _invalid("body.n must be 1: Enclave returns one choice per request")
         if url == CHAT_URL:
-            prompt: str | list[int] = _render(body.get("messages"), model)
+            chat: ChatRequest = parse_request(ChatRequest, body)
+            prompt: str | list[int] = _render(chat, model)
             prompt_tokens = model.count_tokens(prompt)
+            budget = chat.budget()
+            constraint = _constraint(chat)
+            logprobs = (chat.top_logprobs or 0) if chat.logprobs else None
+            raw = False
         else:
-            prompt = _completion_prompt(body.get("prompt"))
+            request: CompletionRequest = parse_request(CompletionRequest, body)
+            prompt = request.prompt
             prompt_tokens = model.count_tokens(prompt) if isinstance(prompt, str) else len(prompt)
-        max_tokens = self._max_tokens(body, prompt_tokens, model.max_model_len)
-        raw_completion = url == COMPLETIONS_URL and isinstance(prompt, str)
-        return [EngineRequest(prompt, _sampling(body, max_tokens), add_special_tokens=raw_completion)]
+            budget, constraint, logprobs = ("max_tokens", request.max_tokens), None, request.logprobs
+            raw, chat = isinstance(prompt, str), request
+        max_tokens = self._max_tokens(budget, prompt_tokens, model.max_model_len)
+        return [
+            EngineRequest(
+                prompt, _sampling(chat, max_tokens, i, constraint, logprobs), add_special_tokens=raw
+            )
+            for i in range(chat.n or 1)
+        ]
 
     def result(self, doc: Document, outputs: list[RequestOutput]) -> DocumentResult:
         url, body = _request(doc)
-        out, usage = one_output(outputs), usage_of(outputs)
-        text = out.text or ""
-        name = body.get("model") if isinstance(body.get("model"), str) else "enclave"
-        if not name.isascii() and has_lone_surrogate(name):
-            name = "enclave"
-        choice: dict[str, Any] = {"index": 0}
+        model = next((out.model for out in outputs if out.model), None) or "enclave"
         if url == CHAT_URL:
+            chat = ChatRequest.model_validate(body)
+            tools = (
+                [t.model_dump(by_alias=True) for t in chat.tools or []] if chat.tool_choice != "none" else []
+            )
+            choices = [_chat_choice(i, out, chat, tools) for i, out in enumerate(outputs)]
             response = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion"}
-            choice["message"] = {"role": "assistant", "content": text}
         else:
+            top = CompletionRequest.model_validate(body).logprobs or 0
+            choices = [_text_choice(i, out, top) for i, out in enumerate(outputs)]
             response = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion"}
-            choice["text"] = text
-        choice |= {"finish_reason": out.finish_reason, "logprobs": None}
-        response |= {"created": int(time.time()), "model": name, "choices": [choice], "usage": usage}
-        return DocumentResult(status="done", output=response, usage=usage)
+        usage = _usage(outputs)
+        response |= {"created": int(time.time()), "model": model, "choices": choices, "usage": usage}
+        flat = {key: usage[key] for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        return DocumentResult(status="done", output=response, usage=flat)
 
     def failure(self, error: DocumentError) -> DocumentResult:
-        return DocumentResult(
-            status="failed", output={"code": error.code}, error=error.reason, detail=error.detail
-        )
+        output = {"code": error.code}
+        if isinstance(error, RequestRefused):
+            output |= {"status_code": 400, "type": INVALID_REQUEST, "param": error.param}
+        return DocumentResult(status="failed", output=output, error=error.reason, detail=error.detail)
 
-    def _max_tokens(self, body: dict[str, Any], prompt_tokens: int, context: int) -> int:
-        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        asked = body.get(key)
+    def _max_tokens(self, budget: tuple[str, int | None], prompt_tokens: int, context: int) -> int:
+        key, asked = budget
         room = context - prompt_tokens
         if asked is None:
             if room < 1:
-                raise _invalid(f"prompt has {prompt_tokens} tokens; the model's context is {context}")
+                reason = f"prompt has {prompt_tokens} tokens; the model's context is {context}"
+                raise invalid(reason, "messages", CONTEXT_LENGTH_EXCEEDED)
             return min(self._params["max_tokens"], room)
-        if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
-            raise _invalid(f"body.{key} must be a positive integer, not {_what(asked)}")
         if asked > room:
-            raise _invalid(
+            raise invalid(
                 f"prompt has {prompt_tokens} tokens; with body.{key} it needs more than the model's "
                 f"context of {context}",
+                key,
+                CONTEXT_LENGTH_EXCEEDED,
                 detail=f"{key}={asked} with a prompt of {prompt_tokens} tokens needs {prompt_tokens + asked}",
             )
         return asked
-
-
-def _invalid(reason: str, detail: str | None = None) -> DocumentError:
-    return DocumentError(reason, code=INVALID_REQUEST, detail=detail)
-
-
-def _what(value: Any) -> str:
-    """A content-free description of a JSON value: its type, and its length for a string."""
-    if isinstance(value, str):
-        return f"a {len(value)}-character string"
-    return json_type(value)
 
 
 def _request(doc: Document) -> tuple[str, dict[str, Any]]:
     """The url and body of a batch line (checked by `read_batch_file` on the client, and again here)."""
     line = parse_line(doc.data)
     if isinstance(line, BadLine):
-        raise _invalid(f"the request is not a valid batch line: {line.problem}")
+        raise DocumentError(f"the request is not a valid batch line: {line.problem}", code=INVALID_REQUEST)
     if line.url not in (CHAT_URL, COMPLETIONS_URL):
-        raise _invalid(
+        raise DocumentError(
             f"unsupported url, a {len(line.url)}-character string (supported: {CHAT_URL}, {COMPLETIONS_URL})",
+            code=INVALID_REQUEST,
             detail=f"unsupported url {line.url!r}",
         )
     return line.url, line.body
 
 
-def _render(messages: Any, model: ModelInfo) -> str:
-    if not isinstance(messages, list) or not messages:
-        raise _invalid(f"body.messages must be a non-empty list, not {_what(messages)}")
+def _render(chat: ChatRequest, model: ModelInfo) -> str:
     conversation = []
-    for i, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if not (isinstance(role, str) and role in _ROLES):
-            raise _invalid(f"body.messages[{i}] must be an object with a role ({', '.join(_ROLES)})")
-        conversation.append({"role": _ROLES[role], "content": _content(message.get("content"), i)})
+    for i, message in enumerate(chat.messages):
+        text = message.text()
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise invalid(
+                f"body.messages[{i}].content holds a lone surrogate at offset {exc.start}"
+            ) from None
+        entry: dict[str, Any] = {"role": _ROLES[message.role], "content": text}
+        if message.tool_calls:
+            entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        if message.tool_call_id:
+            entry["tool_call_id"] = message.tool_call_id
+        conversation.append(entry)
+    kwargs = dict(chat.chat_template_kwargs or {})
+    if (thinking := chat.thinking()) is not None:
+        kwargs["enable_thinking"] = thinking
+    if chat.tools and chat.tool_choice != "none":
+        kwargs["tools"] = [tool.model_dump(by_alias=True, exclude_none=True) for tool in chat.tools]
     try:
-        return model.render_chat(conversation)
+        return model.render_chat(conversation, **kwargs)
     except ValueError:  # the engine's RequestError: a template that refuses this conversation
-        raise _invalid("body.messages could not be rendered with the model's chat template") from None
+        raise invalid(
+            "body.messages could not be rendered with the model's chat template", "messages"
+        ) from None
 
 
-def _content(content: Any, index: int) -> str:
-    path = f"body.messages[{index}].content"
-    if content is None or isinstance(content, str):
-        return _text(content or "", path)
-    if not isinstance(content, list):
-        raise _invalid(f"{path} must be a string or a list of text parts, not {_what(content)}")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
-            raise _invalid(
-                f"{path}[{j}] is not a text part (its type is {_what(kind)}); only text is supported",
-                detail=f"{path}[{j}] has type {kind!r}" if isinstance(kind, str) else None,
-            )
-        if not isinstance(part.get("text"), str):
-            raise _invalid(f"{path}[{j}].text must be a string, not {_what(part.get('text'))}")
-        texts.append(_text(part["text"], f"{path}[{j}].text"))
-    return "".join(texts)
+def _constraint(chat: ChatRequest) -> Constraint | None:
+    """response_format as a constraint on the answer (strict or not, the schema is enforced)."""
+    form = chat.response_format
+    if form is None or form.type == "text":
+        return None
+    from engine.constraints import Constraint
+    from engine.errors import RequestError
 
-
-def _text(text: str, path: str) -> str:
-    """`text`, refused when it holds a lone surrogate (a \ud800 escape), which no tokenizer can encode."""
+    if form.type == "json_object":
+        return Constraint.json_object()
+    if form.json_schema is None or form.json_schema.schema_ is None:
+        raise invalid("body.response_format.json_schema.schema is required", "response_format.json_schema")
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise _invalid(f"{path} holds a lone surrogate at offset {exc.start}") from None
-    return text
+        return Constraint.json_schema(form.json_schema.schema_)
+    except RequestError as exc:
+        raise invalid(f"body.response_format.json_schema: {exc}", "response_format.json_schema") from None
 
 
-def _completion_prompt(prompt: Any) -> str | list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one prompt
-    if isinstance(prompt, str) and prompt:
-        return _text(prompt, "body.prompt")
-    if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < 2**31 for t in prompt):
-        return prompt
-    raise _invalid("body.prompt must be one non-empty string or list of token ids")
-
-
-def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
+def _sampling(
+    request: ChatRequest | CompletionRequest,
+    max_tokens: int,
+    choice: int,
+    constraint: Constraint | None,
+    logprobs: int | None,
+) -> SamplingParams:
     from engine.sampling import SamplingParams  # lazy: torch is for workers, not the CLI
 
-    temperature, top_p, seed, stop = (body.get(k) for k in ("temperature", "top_p", "seed", "stop"))
-    if not _number(temperature, 0.0, 2.0):
-        raise _invalid("body.temperature must be a number from 0 to 2")
-    if not _number(top_p, 0.0, 1.0) or top_p == 0:
-        raise _invalid("body.top_p must be a number above 0 and at most 1")
-    if seed is not None and (type(seed) is not int or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
-        raise _invalid("body.seed must be an integer that fits in 64 bits")
-    stops = [stop] if isinstance(stop, str) else stop
-    if stops is not None and not (
-        isinstance(stops, list) and len(stops) <= 4 and all(isinstance(s, str) and s for s in stops)
-    ):
-        raise _invalid("body.stop must be a non-empty string or a list of up to 4 of them")
+    seed = request.seed
+    if seed is not None and choice:  # n > 1: distinct, reproducible draws per choice
+        seed = (seed + choice) % 2**63
+    for text in request.stops() or []:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise invalid("body.stop holds a lone surrogate", "stop") from None
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if temperature is None else float(temperature),
-        top_p=1.0 if top_p is None else float(top_p),
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
         seed=seed,
-        stop=[_text(s, "body.stop") for s in stops] if stops else None,
+        stop=request.stops(),
+        logprobs=logprobs,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        logit_bias={int(t): b for t, b in request.logit_bias.items()} if request.logit_bias else None,
+        constraint=constraint,
+        split_reasoning=isinstance(request, ChatRequest),
     )
 
 
-def _number(value: Any, low: float, high: float) -> bool:
-    if value is None:
-        return True
-    return not isinstance(value, bool) and isinstance(value, int | float) and low <= value <= high
+def _answer_positions(out: RequestOutput) -> range:
+    """Indices into `out.token_ids` of the answer: after the reasoning, without the stop token."""
+    end = len(out.token_ids) - (1 if isinstance(out.stop_reason, int) else 0)
+    return range(min(out.reasoning_tokens, end), end)
+
+
+def _chat_choice(index: int, out: RequestOutput, chat: ChatRequest, tools: list[dict]) -> dict[str, Any]:
+    content: str | None = out.text or ""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if out.reasoning is not None:
+        message["reasoning_content"] = out.reasoning
+    finish = out.finish_reason
+    if tools and content:
+        content, calls = parse_tool_calls(content, tools)
+        message["content"] = content
+        if calls:
+            message["tool_calls"] = calls
+            finish = "tool_calls"
+    if not out.reasoning_finished:
+        message["content"] = None  # the budget ran out inside the reasoning: no answer (finish "length")
+    logprobs = _chat_logprobs(out, chat.top_logprobs or 0) if chat.logprobs else None
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+
+def _entry(out: RequestOutput, token: int, logprob: float) -> dict[str, Any]:
+    text = (out.token_texts or {}).get(token, "")
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _chat_logprobs(out: RequestOutput, top: int) -> dict[str, Any]:
+    content = []
+    for i in _answer_positions(out):
+        token, entry = out.token_ids[i], (out.logprobs or [])[i]
+        ranked = sorted(entry.items(), key=lambda item: -item[1])[:top]
+        content.append(
+            _entry(out, token, entry[token]) | {"top_logprobs": [_entry(out, t, v) for t, v in ranked]}
+        )
+    return {"content": content, "refusal": None}
+
+
+def _text_choice(index: int, out: RequestOutput, top: int) -> dict[str, Any]:
+    logprobs = None
+    if out.logprobs is not None:
+        texts, tokens, chosen, tops, offsets, at = out.token_texts or {}, [], [], [], [], 0
+        for i in _answer_positions(out):
+            token, entry = out.token_ids[i], out.logprobs[i]
+            tokens.append(texts.get(token, ""))
+            chosen.append(entry[token])
+            ranked = sorted(entry.items(), key=lambda item: -item[1])[:top]
+            tops.append({texts.get(t, ""): v for t, v in ranked})
+            offsets.append(at)
+            at += len(tokens[-1])
+        logprobs = {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
+    return {"index": index, "text": out.text or "", "finish_reason": out.finish_reason, "logprobs": logprobs}
+
+
+def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+    """OpenAI's usage: the prompt counted once for n choices, reasoning tokens detailed."""
+    prompt = outputs[0].prompt_token_count if outputs else 0
+    completion = sum(len(out.token_ids) for out in outputs)
+    reasoning = sum(out.reasoning_tokens for out in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "completion_tokens_details": {"reasoning_tokens": reasoning},
+    }

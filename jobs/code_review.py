@@ -14,10 +14,11 @@ from jobs.base import (
     decode_text,
     usage_of,
 )
-from jobs.findings import parse_findings
+from jobs.findings import FINDINGS_SCHEMA, MAX_FINDINGS, parse_findings
 from jobs.params import take_sampling, take_str
 from jobs.repository import language_of
 from jobs.review_report import build_report
+from jobs.thinking import THINKING_PARAMS, reasoning_cut_off, take_thinking
 
 if TYPE_CHECKING:
     from engine import RequestOutput
@@ -27,24 +28,28 @@ __all__ = ["CodeReview", "build_report"]
 INSTRUCTIONS = (
     "You are a careful senior code reviewer. Review the code for bugs, security problems and fragile or "
     "unclear code{focus}. Lines are numbered. Reply with a JSON list only, one object per finding: "
-    '[{{"line": <line number>, "severity": "high" | "medium" | "low", "issue": "<one or two sentences>"}}]. '
-    "Reply [] when there is nothing worth reporting."
+    '[{{"line": <line number>, "severity": "high" | "medium" | "low", "issue": "<one or two sentences>"}}], '
+    f"at most {MAX_FINDINGS} findings, the most important first. Reply [] when there is nothing worth "
+    "reporting."
 )
 _MARGIN = 8  # tokens kept spare when packing lines: counts of joined lines can exceed the sum of parts
 
 
 class CodeReview(JobKind):
-    """Params: max_tokens (default 384), temperature, top_p, seed, focus (e.g. "security").
+    """Params: max_tokens (default 2048: reasoning and answer), temperature, top_p, seed, focus (e.g.
+    "security"), enable_thinking (default on, `jobs.thinking`), include_reasoning.
 
-    Each file is a document; output `{"path", "language", "chunks", "findings"}`. Review is advisory: text
-    without parsable findings is kept as one "note" finding and the file is still done.
+    Each file is a document; output `{"path", "language", "chunks", "findings"}`. The answer is held to
+    `FINDINGS_SCHEMA` by constrained decoding. Review is advisory: text without parsable findings (cut at
+    max_tokens) is kept as one "note" finding and the file is still done; a chunk whose budget ran out
+    inside its reasoning fails the file with that reason.
     """
 
     name = "code-review"
-    param_names = ("focus", "max_tokens", "seed", "temperature", "top_p")
+    param_names = ("focus", "max_tokens", "seed", "temperature", "top_p", *THINKING_PARAMS)
 
     def parse_params(self, params: dict[str, Any]) -> dict[str, Any]:
-        parsed = take_sampling(params, default_max_tokens=384)
+        parsed = take_sampling(params, default_max_tokens=2048) | take_thinking(params, default=True)
         if (focus := take_str(params, "focus")) is not None:
             parsed["focus"] = focus
         return parsed
@@ -54,15 +59,20 @@ class CodeReview(JobKind):
         if lines[-1] == "":
             lines.pop()
         lines = [line.removesuffix("\r") for line in lines]
-        sampling = self.sampling()
+        from engine.constraints import Constraint
+
+        sampling = self.sampling(Constraint.json_schema(FINDINGS_SCHEMA))
         return [EngineRequest(prompt, sampling) for prompt in self._chunk_prompts(doc.path, lines, model)]
 
     def result(self, doc: Document, outputs: list[RequestOutput]) -> DocumentResult:
+        usage, reasoning = usage_of(outputs), self.reasoning_of(outputs)
+        if cut := next((reason for out in outputs if (reason := reasoning_cut_off(out))), None):
+            return DocumentResult("failed", None, error=cut, usage=usage, reasoning=reasoning)
         findings = [finding for out in outputs for finding in parse_findings(out.text or "")]
         findings.sort(key=lambda f: (f["line"] is None, f["line"] or 0))
         output = {"path": doc.path, "language": language_of(doc.path), "chunks": len(outputs)}
         output["findings"] = findings
-        return DocumentResult(status="done", output=output, usage=usage_of(outputs))
+        return DocumentResult(status="done", output=output, usage=usage, reasoning=reasoning)
 
     def _chunk_prompts(self, path: str, lines: list[str], model: ModelInfo) -> list[str]:
         """Prompts over runs of whole lines, each fitting the context with max_tokens of output."""
@@ -105,11 +115,12 @@ class CodeReview(JobKind):
         code = "\n".join(_numbered(i, lines[i], width) for i in range(start, end))
         language = language_of(path)
         user = f"File: {path} ({language}), lines {start + 1}-{end} of {len(lines)}\n```\n{code}\n```"
-        return model.render_chat(
+        return self.render(
+            model,
             [
                 {"role": "system", "content": INSTRUCTIONS.format(focus=focus)},
                 {"role": "user", "content": user},
-            ]
+            ],
         )
 
 

@@ -23,9 +23,11 @@ from jobs.bounded_json import JSONInputError, json_type
 from jobs.bounded_json import loads as load_json
 from jobs.json_output import describe_error, first_object
 from jobs.params import MAX_STRING_PARAM, JobParamError, take_sampling, take_str
+from jobs.thinking import THINKING_PARAMS, reasoning_cut_off, take_thinking
 
 if TYPE_CHECKING:
     from engine import RequestOutput
+    from engine.constraints import Constraint
 
 INSTRUCTIONS = (
     "Extract information from the document. Reply with a single JSON object and nothing else: no prose, "
@@ -36,17 +38,23 @@ INSTRUCTIONS = (
 class Extract(JobKind):
     """Params: exactly one of `fields` (comma-separated names) or `schema` (a JSON Schema: an object, or its
     JSON text; never a path, which the service would resolve on its own host: the client reads
-    `--param schema=@file.json` itself); max_tokens (default 512), temperature, top_p, seed, instructions.
-    The output is the extracted object; unparsable model text fails the document and is kept in `raw`."""
+    `--param schema=@file.json` itself); max_tokens (default 512), temperature, top_p, seed, instructions,
+    enable_thinking (default off, `jobs.thinking`), include_reasoning.
+
+    The answer is generated under constrained decoding: it is the schema's JSON (or an object with exactly
+    the named fields), whatever the model would have written. The output is that object; text that still
+    does not parse (cut at max_tokens) fails the document and is kept in `raw`."""
 
     name = "extract"
-    param_names = ("fields", "instructions", "max_tokens", "schema", "seed", "temperature", "top_p")
+    param_names = (
+        "fields", "instructions", "max_tokens", "schema", "seed", "temperature", "top_p", *THINKING_PARAMS
+    )  # fmt: skip
 
     def parse_params(self, params: dict[str, Any]) -> dict[str, Any]:
         fields, schema = params.pop("fields", None), params.pop("schema", None)
         if (fields is None) == (schema is None):
             raise JobParamError("extract needs exactly one of the parameters fields or schema")
-        parsed = take_sampling(params, default_max_tokens=512)
+        parsed = take_sampling(params, default_max_tokens=512) | take_thinking(params, default=False)
         if fields is not None:
             parsed["fields"] = _parse_fields(fields)
         else:
@@ -67,19 +75,34 @@ class Extract(JobKind):
             shape = "The object must conform to this JSON Schema:\n" + json.dumps(
                 self._params["schema"], indent=2
             )
-        return [self.instructed_request(model, f"{INSTRUCTIONS}\n\n{shape}", text)]
+        request = self.instructed_request(model, f"{INSTRUCTIONS}\n\n{shape}", text, self.constraint())
+        return [request]
+
+    def constraint(self) -> Constraint:
+        """The answer's grammar: the schema, or an object with exactly the named fields (any JSON values)."""
+        from engine.constraints import Constraint
+
+        if "schema" in self._params:
+            return Constraint.json_schema(self._params["schema"])
+        names = self._params["fields"]
+        return Constraint.json_schema(
+            {"type": "object", "properties": {name: {} for name in names}, "required": names}
+        )
 
     def result(self, doc: Document, outputs: list[RequestOutput]) -> DocumentResult:
         out = one_output(outputs)
-        text, usage = out.text or "", usage_of(outputs)
+        text, usage, reasoning = out.text or "", usage_of(outputs), self.reasoning_of(outputs)
+        if cut := reasoning_cut_off(out):
+            return DocumentResult("failed", None, error=cut, usage=usage, reasoning=reasoning)
         found = first_object(text)
         if found is None:
             error = "model output is not valid JSON"
             if out.finish_reason == "length":
                 error += "; it stopped at max_tokens, try a larger max_tokens"
-            return DocumentResult(status="failed", output=None, error=error, raw=text, usage=usage)
+            return DocumentResult("failed", None, error=error, raw=text, usage=usage, reasoning=reasoning)
         if "fields" in self._params:
-            return DocumentResult("done", {f: found.get(f) for f in self._params["fields"]}, usage=usage)
+            output = {f: found.get(f) for f in self._params["fields"]}
+            return DocumentResult("done", output, usage=usage, reasoning=reasoning)
         schema = self._params["schema"]
         cls = jsonschema.validators.validator_for(schema, default=Draft202012Validator)
         validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
@@ -90,8 +113,10 @@ class Extract(JobKind):
             return DocumentResult(status="failed", output=None, error=reason, raw=text, usage=usage)
         if error is not None:
             reason, detail = describe_error(error)
-            return DocumentResult("failed", None, error=reason, raw=text, usage=usage, detail=detail)
-        return DocumentResult(status="done", output=found, usage=usage)
+            return DocumentResult(
+                "failed", None, error=reason, raw=text, usage=usage, detail=detail, reasoning=reasoning
+            )
+        return DocumentResult(status="done", output=found, usage=usage, reasoning=reasoning)
 
 
 def _parse_fields(value: Any) -> list[str]:

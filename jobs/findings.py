@@ -7,6 +7,24 @@ from typing import Any
 from jobs.json_output import json_values
 
 SEVERITIES = ("high", "medium", "low", "note")  # "note": model text that held no parsable findings
+MAX_FINDINGS = 8  # per reviewed chunk
+MAX_ISSUE = 240  # characters of one finding's text
+# What the model's answer is held to by constrained decoding: a JSON list of findings, each bounded, so
+# that any model (a random one included) ends its answer well within the default max_tokens.
+FINDINGS_SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "line": {"type": "integer", "minimum": 1, "maximum": 10_000_000},
+            "severity": {"enum": list(SEVERITIES[:3])},
+            "issue": {"type": "string", "minLength": 1, "maxLength": MAX_ISSUE},
+        },
+        "required": ["line", "severity", "issue"],
+        "additionalProperties": False,
+    },
+    "maxItems": MAX_FINDINGS,
+}
 _SEVERITY_ALIASES = {
     "critical": "high",
     "blocker": "high",

@@ -146,7 +146,10 @@ def output_line(custom_id: str, record: dict[str, Any]) -> dict[str, Any]:
     """One line of OpenAI's batch output file from a result record {"status", "output", "error", "detail"}.
 
     A failed record's code is read from its output `{"code": ...}` (as the chat kind writes it); without
-    one it is "processing_error". The message is the sealed `detail` when there is one, else the reason.
+    one it is "processing_error". A request the chat kind refused (`"status_code": 400` in its output) is
+    written as OpenAI writes one: a 400 response whose body is `{"error": {message, type, param, code}}`.
+    Other failures go into the line's `error`. The message is the sealed `detail` when there is one, else
+    the reason.
     """
     line: dict[str, Any] = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id}
     if record.get("status") == "done":
@@ -157,6 +160,11 @@ def output_line(custom_id: str, record: dict[str, Any]) -> dict[str, Any]:
     if not (isinstance(code, str) and code):
         code = PROCESSING_ERROR
     message = record.get("detail") or record.get("error") or "the request failed"
+    if isinstance(output, dict) and output.get("status_code") == 400:  # the request itself was refused
+        error = {"message": message, "type": output.get("type") or INVALID_REQUEST}
+        error |= {"param": output.get("param"), "code": code}
+        response = {"status_code": 400, "request_id": uuid.uuid4().hex, "body": {"error": error}}
+        return line | {"response": response, "error": None}
     return line | {"response": None, "error": {"code": _LEGACY_CODES.get(code, code), "message": message}}
 
 

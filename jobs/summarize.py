@@ -15,6 +15,7 @@ from jobs.base import (
     usage_of,
 )
 from jobs.params import take_sampling, take_str
+from jobs.thinking import THINKING_PARAMS, reasoning_cut_off, take_thinking
 
 if TYPE_CHECKING:
     from engine import RequestOutput
@@ -27,13 +28,15 @@ INSTRUCTIONS = (
 
 class Summarize(JobKind):
     """Params: max_tokens (default 256), temperature (default 0), top_p, seed, instructions (extra text
-    appended to the fixed instructions). The output is the summary text; an empty one fails the document."""
+    appended to the fixed instructions), enable_thinking (default off, `jobs.thinking`), include_reasoning.
+    The output is the summary text; an empty one, or a run cut off inside its reasoning, fails the
+    document."""
 
     name = "summarize"
-    param_names = ("instructions", "max_tokens", "seed", "temperature", "top_p")
+    param_names = ("instructions", "max_tokens", "seed", "temperature", "top_p", *THINKING_PARAMS)
 
     def parse_params(self, params: dict[str, Any]) -> dict[str, Any]:
-        parsed = take_sampling(params, default_max_tokens=256)
+        parsed = take_sampling(params, default_max_tokens=256) | take_thinking(params, default=False)
         if (instructions := take_str(params, "instructions")) is not None:
             parsed["instructions"] = instructions
         return parsed
@@ -44,9 +47,8 @@ class Summarize(JobKind):
     def result(self, doc: Document, outputs: list[RequestOutput]) -> DocumentResult:
         out = one_output(outputs)
         summary = (out.text or "").strip()
-        usage = usage_of(outputs)
-        if not summary:
-            return DocumentResult(
-                status="failed", output=None, error="model returned an empty summary", usage=usage
-            )
-        return DocumentResult(status="done", output=summary, usage=usage)
+        usage, reasoning = usage_of(outputs), self.reasoning_of(outputs)
+        error = reasoning_cut_off(out) or (None if summary else "model returned an empty summary")
+        if error:
+            return DocumentResult("failed", None, error=error, usage=usage, reasoning=reasoning)
+        return DocumentResult(status="done", output=summary, usage=usage, reasoning=reasoning)

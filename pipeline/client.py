@@ -395,7 +395,7 @@ def _open_record(
     if not isinstance(opened, dict) or opened.get("status") != doc.status:
         return _refused(path, doc, "its signed result does not match the document's status")
     record |= {"status": opened["status"], "output": opened.get("output"), "error": opened.get("error")}
-    for key in ("detail", "raw", "usage"):
+    for key in ("detail", "raw", "usage", "reasoning"):
         if opened.get(key) is not None:
             record[key] = opened[key]
     return record

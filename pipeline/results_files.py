@@ -19,7 +19,7 @@ def write_results(out_dir: Path, kind: str, records: list[dict]) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [
         {"document": r["document"], "status": r["status"], "output": r["output"], "error": r["error"]}
-        | {key: r[key] for key in ("detail", "raw") if key in r}
+        | {key: r[key] for key in ("detail", "raw", "reasoning") if key in r}
         for r in records
     ]
     files = [

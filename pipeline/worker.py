@@ -427,6 +427,8 @@ class WorkerRuntime:
             "raw": result.raw,
             "usage": result.usage,
         }
+        if result.reasoning is not None:  # asked for with include_reasoning: sealed like the rest
+            record["reasoning"] = result.reasoning
         payload = json.dumps(record, ensure_ascii=True).encode()  # a lone surrogate travels as an escape
         return envelope.seal_result(payload, client_x25519, job_id, item.id)
 

@@ -9,15 +9,19 @@ from jobs.base import Document, DocumentError, DocumentResult, EngineModel, JobK
 class FakeModel:
     """ModelInfo with one token per whitespace-separated word and a plain-text chat template."""
 
+    name = "fake-model"
+
     def __init__(self, max_model_len: int = 4096) -> None:
         self.max_model_len = max_model_len
         self.rendered: list[list[dict]] = []
+        self.template_kwargs: list[dict] = []
 
     def count_tokens(self, text: str) -> int:
         return len(text.split())
 
     def render_chat(self, messages: list[dict], **template_kwargs) -> str:
         self.rendered.append(messages)
+        self.template_kwargs.append(template_kwargs)
         return "".join(f"<{m['role']}>\n{m['content']}\n" for m in messages) + "<assistant>\n"
 
 

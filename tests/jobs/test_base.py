@@ -121,6 +121,8 @@ def test_string_params_are_typed():
         "top_p": 0.9,
         "seed": 7,
         "instructions": "short",
+        "enable_thinking": False,  # summarize's default (jobs/thinking.py)
+        "include_reasoning": False,
     }
     sampling = kind.sampling()
     assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.seed) == (256, 0.7, 0.9, 7)

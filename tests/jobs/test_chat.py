@@ -7,6 +7,8 @@ from jobs.base import Document, DocumentError
 from jobs.openai_batch import output_line
 from tests.jobs.factories import FakeModel, make_output
 
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+
 
 def request(body: dict, url: str = "/v1/chat/completions", custom_id: str = "req-1") -> Document:
     line = {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
@@ -51,85 +53,134 @@ def test_completions_prompt(model, prompt):
 
 
 @pytest.mark.parametrize(
-    ("body", "url", "reason", "detail"),
+    ("body", "url", "param", "code", "reason"),
     [
         (
-            CHAT,
-            "/v1/embeddings",
-            r"^unsupported url, a 14-character string \(supported: /v1/chat/completions, /v1/completions\)$",
-            "unsupported url '/v1/embeddings'",
+            CHAT | {"n": 0},
+            CHAT_URL,
+            "n",
+            "invalid_value",
+            "^body.n: Input should be greater than or equal to 1$",
         ),
-        (CHAT | {"n": 2}, "/v1/chat/completions", "body.n must be 1", None),
         (
             {"messages": []},
-            "/v1/chat/completions",
-            "^body.messages must be a non-empty list, not array$",
-            None,
+            CHAT_URL,
+            "messages",
+            "invalid_value",
+            "^body.messages: List should have at least",
         ),
         (
             {"messages": [{"role": "robot", "content": "x"}]},
-            "/v1/chat/completions",
-            r"body.messages\[0\] must be",
-            None,
+            CHAT_URL,
+            "messages[0].role",
+            "unsupported_value",
+            r"^body.messages\[0\].role must be 'system', 'developer', 'user', 'assistant' or 'tool'$",
         ),
         (
             {"messages": [{"role": ["user"], "content": "x"}]},
-            "/v1/chat/completions",
-            r"body.messages\[0\] must be",
-            None,
+            CHAT_URL,
+            "messages[0].role",
+            "unsupported_value",
+            r"^body.messages\[0\].role must be",
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-            "/v1/chat/completions",
-            r"^body.messages\[0\].content\[0\] is not a text part \(its type is a 9-character string\)",
-            "body.messages[0].content[0] has type 'image_url'",
-        ),
-        (
-            {"messages": [{"role": "user", "content": "\ud800"}]},
-            "/v1/chat/completions",
-            r"^the request is not a valid batch line: body holds a lone surrogate",
-            None,
+            CHAT_URL,
+            "messages[0].content[0].type",
+            "unsupported_value",
+            r"^body.messages\[0\].content\[0\].type must be 'text'",
         ),
         (
             CHAT | {"temperature": 3},
-            "/v1/chat/completions",
-            "body.temperature must be a number from 0 to 2",
-            None,
+            CHAT_URL,
+            "temperature",
+            "invalid_value",
+            "^body.temperature: Input should be",
         ),
         (
             CHAT | {"max_tokens": "many"},
-            "/v1/chat/completions",
-            "^body.max_tokens must be a positive integer, not a 4-character string$",
-            None,
+            CHAT_URL,
+            "max_tokens",
+            "invalid_value",
+            "^body.max_tokens: Input should be a valid",
         ),
-        (CHAT | {"stop": ["a", ""]}, "/v1/chat/completions", "body.stop must be", None),
+        (
+            CHAT | {"stop": ["a", ""]},
+            CHAT_URL,
+            "stop[1]",
+            "invalid_value",
+            r"^body.stop\[1\]: String should have",
+        ),
         (
             CHAT | {"max_tokens": 4095},
-            "/v1/chat/completions",
+            CHAT_URL,
+            "max_tokens",
+            "context_length_exceeded",
             r"^prompt has \d+ tokens; with body.max_tokens it needs more than the model's context of 4096$",
-            "max_tokens=4095 with a prompt of",
+        ),
+        (CHAT | {"seed": 2**70}, CHAT_URL, "seed", "invalid_value", "^body.seed: Input should be less than"),
+        (
+            CHAT | {"seed": 1.0},
+            CHAT_URL,
+            "seed",
+            "invalid_value",
+            "^body.seed: Input should be a valid integer",
+        ),
+        (CHAT | {"stream": True}, CHAT_URL, "stream", "unsupported_value", "^body.stream must be False$"),
+        (
+            CHAT | {"tool_choice": "required"},
+            CHAT_URL,
+            "tool_choice",
+            "unsupported_value",
+            "^body.tool_choice must be",
         ),
         (
-            CHAT | {"seed": 2**70},
-            "/v1/chat/completions",
-            "^body.seed must be an integer that fits in 64 bits$",
-            None,
+            CHAT | {"audio": {}},
+            CHAT_URL,
+            "audio",
+            "unsupported_parameter",
+            "^body.audio is not supported by Enclave",
         ),
-        (CHAT | {"seed": 1.0}, "/v1/chat/completions", "^body.seed must be an integer", None),
-        ({"prompt": ["a", "b"]}, "/v1/completions", "body.prompt must be one non-empty string", None),
-        ({"prompt": [1, -2]}, "/v1/completions", "body.prompt must be one non-empty string", None),
+        (
+            CHAT | {"parallel_tool_calls": False},
+            CHAT_URL,
+            "parallel_tool_calls",
+            "unsupported_parameter",
+            "not supported",
+        ),
+        ({"prompt": ["a", "b"]}, COMPLETIONS_URL, "prompt", "invalid_value", "must be one prompt"),
+        ({"prompt": [1, -2]}, COMPLETIONS_URL, "prompt[1]", "invalid_value", "^body.prompt"),
+        (
+            {"prompt": "x", "echo": True},
+            COMPLETIONS_URL,
+            "echo",
+            "unsupported_parameter",
+            "^body.echo is not supported",
+        ),
+        (
+            {"prompt": "x", "suffix": "y"},
+            COMPLETIONS_URL,
+            "suffix",
+            "unsupported_parameter",
+            "^body.suffix is not",
+        ),
+        (
+            {"prompt": "x", "best_of": 2},
+            COMPLETIONS_URL,
+            "best_of",
+            "unsupported_parameter",
+            "^body.best_of is not",
+        ),
     ],
 )
-def test_bad_requests_fail_alone_as_invalid_request(model, body, url, reason, detail):
+def test_bad_requests_fail_alone_as_openai_400s(model, body, url, param, code, reason):
     kind = make_kind("chat", {})
     with pytest.raises(DocumentError, match=reason) as caught:
         kind.requests(request(body, url), model)
     result = kind.failure(caught.value)
-    assert (result.status, result.output) == ("failed", {"code": "invalid_request_error"})
+    expected = {"code": code, "status_code": 400, "type": "invalid_request_error", "param": param}
+    assert (result.status, result.output) == ("failed", expected)
     assert result.error == caught.value.reason == str(caught.value)
-    assert result.detail == caught.value.detail
-    if detail is not None:
-        assert detail in result.detail
     record = {
         "status": result.status,
         "output": result.output,
@@ -137,8 +188,24 @@ def test_bad_requests_fail_alone_as_invalid_request(model, body, url, reason, de
         "detail": result.detail,
     }
     line = output_line("req-1", record)
-    assert line["error"] == {"code": "invalid_request_error", "message": result.detail or result.error}
-    assert line["response"] is None
+    assert line["error"] is None and line["response"]["status_code"] == 400
+    error = line["response"]["body"]["error"]
+    assert error == {
+        "message": result.detail or result.error,
+        "type": "invalid_request_error",
+        "param": param,
+        "code": code,
+    }
+
+
+def test_an_unsupported_url_fails_in_the_lines_error(model):
+    kind = make_kind("chat", {})
+    with pytest.raises(DocumentError, match=r"^unsupported url, a 14-character string") as caught:
+        kind.requests(request(CHAT, "/v1/embeddings"), model)
+    assert caught.value.detail == "unsupported url '/v1/embeddings'"
+    result = kind.failure(caught.value)
+    line = output_line("req-1", {"status": "failed", "output": result.output, "error": result.error})
+    assert line["response"] is None and line["error"]["code"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize(
@@ -180,7 +247,7 @@ def test_chat_result_is_a_chat_completion():
     result = make_kind("chat", {}).result(request(CHAT), [make_output("Hello!", "length", 12, 3)])
     body = result.output
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
-    assert isinstance(body["created"], int) and body["model"] == "qwen"
+    assert isinstance(body["created"], int) and body["model"] == "enclave"  # the served model, not the line's
     assert body["choices"] == [
         {
             "index": 0,
@@ -189,7 +256,12 @@ def test_chat_result_is_a_chat_completion():
             "logprobs": None,
         }
     ]
-    assert body["usage"] == {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}
+    assert body["usage"] == {
+        "prompt_tokens": 12,
+        "completion_tokens": 3,
+        "total_tokens": 15,
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
 
 
 def test_completion_result_is_a_text_completion():

@@ -21,7 +21,7 @@ def test_a_file_that_fits_is_one_prompt(model):
     assert "particular attention to security" in request.prompt
     assert "File: src/run.py (Python), lines 1-2 of 2" in request.prompt
     assert "1 | import os\n2 | os.system(cmd)" in request.prompt
-    assert request.sampling.max_tokens == 384
+    assert request.sampling.max_tokens == 2048  # the default covers reasoning too (jobs/thinking.py)
 
 
 def test_a_long_file_is_split_into_chunks_of_whole_lines_that_fit():

@@ -77,7 +77,7 @@ def test_chat_batch(demo_engine):
     results = run_shard(make_kind("chat", {}), docs, demo_engine)
     out = [output_line(doc.path, vars(result)) for doc, result in zip(docs, results, strict=True)]
     chat, completion = out[0]["response"]["body"], out[1]["response"]["body"]
-    assert chat["object"] == "chat.completion" and chat["model"] == "demo"
+    assert chat["object"] == "chat.completion" and chat["model"] == demo_engine.model_name
     assert chat["choices"][0]["message"]["role"] == "assistant"
     assert chat["choices"][0]["finish_reason"] in ("stop", "length")
     assert 1 <= chat["usage"]["completion_tokens"] <= 6
