@@ -21,6 +21,7 @@ from sqlalchemy import Row, func, select, text
 from sqlalchemy.orm import Session
 
 from jobs.bounded_json import has_lone_surrogate
+from pipeline.canonical import canonical_json
 from pipeline.models import AuditCheckpoint, AuditEvent
 
 SUBMITTED = "submitted"
@@ -53,11 +54,6 @@ class VerifyReport:
     checkpoints: int
     first_bad_seq: int | None = None
     reason: str | None = None
-
-
-def canonical_json(obj: Any) -> bytes:
-    """The one byte encoding that is hashed and signed: sorted keys, no spaces, UTF-8."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def checkpoint_payload(size: int, head_hash: str) -> bytes:

@@ -23,6 +23,7 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
 
+from pipeline.errors import UserError
 from pipeline.settings import PASSPHRASE_ENV  # named in the error for a protected key
 
 X25519_FILE = "x25519.pem"
@@ -33,7 +34,7 @@ _ENCRYPTED_PEM = b"-----BEGIN ENCRYPTED PRIVATE KEY-----"
 _RAW = serialization.Encoding.Raw, serialization.PublicFormat.Raw
 
 
-class KeyFileError(ValueError):
+class KeyFileError(UserError, ValueError):
     """A key or key file is missing, malformed, unreadable or unsafe; the message says what to do."""
 
 

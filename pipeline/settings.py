@@ -27,12 +27,13 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
 from engine.options import EngineOptions, OptionError, OptionField
+from pipeline.errors import UserError
 
 MAX_TOML_BYTES = 64 << 10
 _CHECKED = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class SettingsError(ValueError):
+class SettingsError(UserError, ValueError):
     """A setting is malformed; the message is one line naming it."""
 
 

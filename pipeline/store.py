@@ -21,10 +21,12 @@ from datetime import datetime, timedelta
 from sqlalchemy import and_, case, func, insert, not_, or_, select, update
 from sqlalchemy.orm import Session
 
-from pipeline import audit, envelope
-from pipeline.models import TERMINAL_DOC, Document, Job, Result, utcnow
+from pipeline import audit
+from pipeline.canonical import canonical_json
+from pipeline.envelope import sha256_hex
+from pipeline.models import Document, Job, Result, utcnow
+from pipeline.status import ACTIVE_JOB, OPEN_DOC, TERMINAL_DOC, DocState, JobState
 
-ACTIVE_JOB = ("queued", "running")
 MAX_LEASE_EXPIRIES = 10
 MAX_REASON = 160  # well under audit.MAX_STRING, with room for a prefix
 WORKER_CRASHED = "worker_crashed"
@@ -41,12 +43,12 @@ def bounded(reason: str | None, limit: int = MAX_REASON) -> str | None:
 def result_statement(job_id: str, document_id: str, sealed_result: bytes, status: str) -> bytes:
     """What the service signs for a result row and the client verifies: the job, the document, the SHA-256
     of the sealed result bytes and the document's final status, in canonical JSON."""
-    return envelope.canonical_json(
+    return canonical_json(
         {
             "purpose": RESULT_STATEMENT,
             "job_id": job_id,
             "document_id": document_id,
-            "sha256": envelope.sha256_hex(sealed_result),
+            "sha256": sha256_hex(sealed_result),
             "status": status,
         }
     )
@@ -71,11 +73,11 @@ class JobStatus:
 
     @property
     def done(self) -> int:
-        return self.counts.get("done", 0)
+        return self.counts.get(DocState.DONE, 0)
 
     @property
     def failed(self) -> int:
-        return self.counts.get("failed", 0)
+        return self.counts.get(DocState.FAILED, 0)
 
     def as_json(self) -> dict:
         return {
@@ -87,8 +89,8 @@ class JobStatus:
             "total": self.total,
             "done": self.done,
             "failed": self.failed,
-            "pending": self.counts.get("pending", 0) + self.counts.get("leased", 0),
-            "cancelled": self.counts.get("cancelled", 0),
+            "pending": self.counts.get(DocState.PENDING, 0) + self.counts.get(DocState.LEASED, 0),
+            "cancelled": self.counts.get(DocState.CANCELLED, 0),
             "created_at": _iso(self.created_at),
             "finished_at": _iso(self.finished_at),
             "error": self.error,
@@ -142,12 +144,12 @@ def lease(
     and must be failed by the caller (`give_up`).
     """
     now = utcnow()
-    expired = and_(Document.status == "leased", Document.lease_until < now)
+    expired = and_(Document.status == DocState.LEASED, Document.lease_until < now)
     available = and_(
-        Document.job_id == job_id, Document.shard == shard, or_(Document.status == "pending", expired)
+        Document.job_id == job_id, Document.shard == shard, or_(Document.status == DocState.PENDING, expired)
     )
     # SET and WHERE both see the row as it was: status "leased" here means an expired lease taken over.
-    expiries = Document.lease_expiries + case((Document.status == "leased", 1), else_=0)
+    expiries = Document.lease_expiries + case((Document.status == DocState.LEASED, 1), else_=0)
     leasable = and_(Document.attempts < max_attempts, expiries < max_lease_expiries)
     # A concurrent worker's UPDATE of the same rows waits for this one, then re-checks the WHERE clause and
     # finds them leased: each document goes to exactly one lease holder.
@@ -155,7 +157,7 @@ def lease(
         update(Document)
         .where(available, leasable)
         .values(
-            status="leased",
+            status=DocState.LEASED,
             lease_owner=owner,
             lease_until=now + timedelta(seconds=lease_seconds),
             lease_expiries=expiries,
@@ -172,7 +174,7 @@ def give_up(session: Session, doc: Document, max_attempts: int, actor: str) -> N
     if doc.attempts >= max_attempts:
         reason = f"gave up after {doc.attempts} failed attempts; the last: {doc.error or 'unknown'}"
     else:
-        expiries = doc.lease_expiries + (doc.status == "leased")
+        expiries = doc.lease_expiries + (doc.status == DocState.LEASED)
         reason = (
             f"{WORKER_CRASHED}: its lease expired {expiries} times without a result "
             "(a worker died or hung while processing it)"
@@ -184,11 +186,11 @@ def start_job(session: Session, job_id: str, actor: str) -> None:
     """queued -> running, once, with its audit event."""
     started = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.status == "queued")
-        .values(status="running", started_at=utcnow())
+        .where(Job.id == job_id, Job.status == JobState.QUEUED)
+        .values(status=JobState.RUNNING, started_at=utcnow())
     ).rowcount
     if started:
-        audit.append(session, actor=actor, action="started", job_id=job_id)
+        audit.append(session, actor=actor, action=audit.STARTED, job_id=job_id)
 
 
 def finish_document(
@@ -210,17 +212,17 @@ def finish_document(
     by someone else or cancelled. With `complete`, also completes the job when this was its last document
     (pass False when finishing several documents in one transaction, then call complete_job_if_finished).
     """
-    if status not in ("done", "failed"):
+    if status not in (DocState.DONE, DocState.FAILED):
         raise ValueError(f"finish_document status must be done or failed, got {status!r}")
     error = bounded(error)
     job_id = session.scalars(
         update(Document)
-        .where(Document.id == doc_id, Document.status == "leased", Document.lease_owner == owner)
+        .where(Document.id == doc_id, Document.status == DocState.LEASED, Document.lease_owner == owner)
         .values(
             status=status,
             error=error,
             lease_until=None,
-            attempts=Document.attempts + (1 if status == "failed" else 0),
+            attempts=Document.attempts + (1 if status == DocState.FAILED else 0),
         )
         .returning(Document.job_id)
     ).first()
@@ -232,14 +234,14 @@ def finish_document(
                 document_id=doc_id, job_id=job_id, sealed=sealed_result, signature=signature
             )
         )
-    action = "document_done" if status == "done" else "document_failed"
+    action = audit.DOCUMENT_DONE if status == DocState.DONE else audit.DOCUMENT_FAILED
     audit.append(
         session,
         actor=actor,
         action=action,
         job_id=job_id,
         document_id=doc_id,
-        outcome="ok" if status == "done" else "error",
+        outcome="ok" if status == DocState.DONE else "error",
         details={"error": error, **(details or {})},
     )
     if complete:
@@ -252,8 +254,8 @@ def fail_unopened(session: Session, doc: Document, error: str, actor: str) -> No
     error = bounded(error)
     changed = session.execute(
         update(Document)
-        .where(Document.id == doc.id, Document.status.in_(("pending", "leased")))
-        .values(status="failed", error=error, lease_until=None)
+        .where(Document.id == doc.id, Document.status.in_(OPEN_DOC))
+        .values(status=DocState.FAILED, error=error, lease_until=None)
     ).rowcount
     if changed:
         audit.append(
@@ -273,9 +275,9 @@ def release(session: Session, doc_id: str, owner: str, error: str) -> None:
     retries until `max_attempts`."""
     session.execute(
         update(Document)
-        .where(Document.id == doc_id, Document.status == "leased", Document.lease_owner == owner)
+        .where(Document.id == doc_id, Document.status == DocState.LEASED, Document.lease_owner == owner)
         .values(
-            status="pending",
+            status=DocState.PENDING,
             error=bounded(error),
             attempts=Document.attempts + 1,
             lease_owner=None,
@@ -291,7 +293,7 @@ def complete_job_if_finished(session: Session, job_id: str, actor: str) -> bool:
     completed = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.status.in_(ACTIVE_JOB), ~open_docs.exists())
-        .values(status="completed", finished_at=utcnow())
+        .values(status=JobState.COMPLETED, finished_at=utcnow())
     ).rowcount
     if completed:
         counts = dict(
@@ -301,7 +303,7 @@ def complete_job_if_finished(session: Session, job_id: str, actor: str) -> bool:
                 .group_by(Document.status)
             ).all()
         )
-        audit.append(session, actor=actor, action="completed", job_id=job_id, details=counts)
+        audit.append(session, actor=actor, action=audit.COMPLETED, job_id=job_id, details=counts)
     return bool(completed)
 
 
@@ -310,16 +312,18 @@ def cancel_job(session: Session, job_id: str, actor: str) -> bool:
     cancelled = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.status.in_(ACTIVE_JOB))
-        .values(status="cancelled", finished_at=utcnow())
+        .values(status=JobState.CANCELLED, finished_at=utcnow())
     ).rowcount
     if not cancelled:
         return False
     n = session.execute(
         update(Document)
-        .where(Document.job_id == job_id, Document.status.in_(("pending", "leased")))
-        .values(status="cancelled", lease_owner=None, lease_until=None)
+        .where(Document.job_id == job_id, Document.status.in_(OPEN_DOC))
+        .values(status=DocState.CANCELLED, lease_owner=None, lease_until=None)
     ).rowcount
-    audit.append(session, actor=actor, action="cancelled", job_id=job_id, details={"documents_cancelled": n})
+    audit.append(
+        session, actor=actor, action=audit.CANCELLED, job_id=job_id, details={"documents_cancelled": n}
+    )
     return True
 
 
@@ -329,17 +333,22 @@ def fail_job(session: Session, job_id: str, reason: str, actor: str) -> bool:
     failed = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.status.in_(ACTIVE_JOB))
-        .values(status="failed", error=reason, finished_at=utcnow())
+        .values(status=JobState.FAILED, error=reason, finished_at=utcnow())
     ).rowcount
     if not failed:
         return False
     session.execute(
         update(Document)
-        .where(Document.job_id == job_id, Document.status.in_(("pending", "leased")))
-        .values(status="failed", error=f"job rejected: {reason}", lease_owner=None, lease_until=None)
+        .where(Document.job_id == job_id, Document.status.in_(OPEN_DOC))
+        .values(status=DocState.FAILED, error=f"job rejected: {reason}", lease_owner=None, lease_until=None)
     )
     audit.append(
-        session, actor=actor, action="rejected", job_id=job_id, outcome="error", details={"reason": reason}
+        session,
+        actor=actor,
+        action=audit.REJECTED,
+        job_id=job_id,
+        outcome="error",
+        details={"reason": reason},
     )
     return True
 
@@ -355,9 +364,9 @@ def shards_to_dispatch(session: Session, lease_seconds: float) -> list[tuple[str
         .where(Job.status.in_(ACTIVE_JOB))
         .where(
             or_(
-                and_(Document.status == "leased", Document.lease_until < now),
+                and_(Document.status == DocState.LEASED, Document.lease_until < now),
                 and_(
-                    Document.status == "pending",
+                    Document.status == DocState.PENDING,
                     or_(Document.dispatched_at.is_(None), Document.dispatched_at < stale),
                 ),
             )
@@ -371,7 +380,7 @@ def shards_to_dispatch(session: Session, lease_seconds: float) -> list[tuple[str
 def mark_dispatched(session: Session, job_id: str, shard: int) -> None:
     session.execute(
         update(Document)
-        .where(Document.job_id == job_id, Document.shard == shard, Document.status.in_(("pending", "leased")))
+        .where(Document.job_id == job_id, Document.shard == shard, Document.status.in_(OPEN_DOC))
         .values(dispatched_at=utcnow())
     )
 
@@ -383,7 +392,7 @@ def has_open_work(session: Session) -> bool:
             select(func.count())
             .select_from(Document)
             .join(Job, Job.id == Document.job_id)
-            .where(Job.status.in_(ACTIVE_JOB), Document.status.in_(("pending", "leased")))
+            .where(Job.status.in_(ACTIVE_JOB), Document.status.in_(OPEN_DOC))
         )
         > 0
     )

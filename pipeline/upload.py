@@ -26,14 +26,16 @@ from sqlalchemy.orm import Session
 
 from pipeline import audit, store
 from pipeline.db import Database
+from pipeline.errors import UserError
 from pipeline.models import Client, Document, Job, utcnow
+from pipeline.status import DocState, JobState
 
 CHUNK_ROWS = 500  # rows per insert transaction
 CHUNK_BYTES = 16_000_000  # sealed bytes per insert transaction, and so held in memory at once
-UPLOADING = "uploading"
+UPLOADING = JobState.UPLOADING
 
 
-class UploadError(ValueError):
+class UploadError(UserError, ValueError):
     """This submit cannot use the job id: not allow-listed, another client's job, or taken over."""
 
 
@@ -59,10 +61,10 @@ class Upload:
         transaction."""
         with self.db.transaction() as s:
             values = {"manifest": manifest, "signature": signature, "sealed_params": sealed_params}
-            self._guard(s, status="queued", total=total, **values)
+            self._guard(s, status=JobState.QUEUED, total=total, **values)
             s.execute(
                 update(Document.__table__)
-                .where(Document.job_id == self.job_id, Document.status == "pending")
+                .where(Document.job_id == self.job_id, Document.status == DocState.PENDING)
                 .values(dispatched_at=utcnow())
             )
             audit.append(s, actor=self.client, action=audit.SUBMITTED, job_id=self.job_id, details=details)
