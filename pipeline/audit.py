@@ -35,7 +35,19 @@ RESULTS_FETCHED = "results_fetched"
 CHECKPOINT = "checkpoint"
 CLIENT_ADDED = "client_added"
 CLIENT_REVOKED = "client_revoked"
-_JOB_ACTIONS = (SUBMITTED, REJECTED, STARTED, DOCUMENT_DONE, DOCUMENT_FAILED, CANCELLED, COMPLETED)
+UPLOAD_STARTED = "upload_started"  # a submit claimed its job id (new, or an interrupted upload taken over)
+DOCUMENTS_STORED = "documents_stored"  # one chunk of a submit's sealed documents
+_JOB_ACTIONS = (
+    UPLOAD_STARTED,
+    DOCUMENTS_STORED,
+    SUBMITTED,
+    REJECTED,
+    STARTED,
+    DOCUMENT_DONE,
+    DOCUMENT_FAILED,
+    CANCELLED,
+    COMPLETED,
+)
 ACTIONS = frozenset((*_JOB_ACTIONS, RESULTS_FETCHED, CHECKPOINT, CLIENT_ADDED, CLIENT_REVOKED))
 
 GENESIS = "0" * 64  # prev_hash of row 1

@@ -186,6 +186,23 @@ def unpack_document(payload: bytes) -> tuple[str, bytes]:
     return path, bytes(payload[end:])
 
 
+RESULT_STATEMENT = "enclave/1 result"
+
+
+def result_statement(job_id: str, document_id: str, sealed_result: bytes, status: str) -> bytes:
+    """What the service signs for a result row and the client verifies: the job, the document, the SHA-256
+    of the sealed result bytes and the document's final status, in canonical JSON."""
+    return canonical_json(
+        {
+            "purpose": RESULT_STATEMENT,
+            "job_id": job_id,
+            "document_id": document_id,
+            "sha256": sha256_hex(sealed_result),
+            "status": status,
+        }
+    )
+
+
 def sign_manifest(manifest: dict[str, Any], client_identity: Identity) -> bytes:
     """Ed25519 signature by the client over `canonical_json(manifest)`, after checking its fields."""
     _check_manifest(manifest)

@@ -159,6 +159,15 @@ def save_identity(
     _write_atomic(directory / PUBLIC_FILE, text.encode("utf-8"), 0o644)
 
 
+def save_public(public: PublicIdentity, directory: Path) -> None:
+    """Write `public` as `directory`/public.json (a service key imported by a client: nothing private)."""
+    directory = Path(directory)
+    if not directory.exists():
+        directory.mkdir(mode=0o700, parents=True)
+    text = json.dumps(public.to_json(), indent=2, sort_keys=True) + "\n"
+    _write_atomic(directory / PUBLIC_FILE, text.encode("utf-8"), 0o644)
+
+
 def _write_atomic(path: Path, data: bytes, mode: int) -> None:
     """Write to a fresh temp file created with `mode`, then rename over `path`: no partial or exposed file."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from sqlalchemy import ForeignKey, Index, Integer, LargeBinary, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from pipeline.status import DocState, JobState
+from pipeline.status import DocState, JobState, Role
 
 
 def utcnow() -> datetime:
@@ -30,6 +30,8 @@ class Client(Base):
     ed25519_public: Mapped[bytes] = mapped_column(LargeBinary)  # manifests are signed with its private half
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+    # `client` submits and reads its own jobs; `admin` also manages the allow-list and reads the audit log.
+    role: Mapped[str] = mapped_column(String(16), default=Role.CLIENT, server_default=Role.CLIENT)
 
 
 class Job(Base):
@@ -129,3 +131,13 @@ class AuditCheckpoint(Base):
     at: Mapped[str] = mapped_column(String(32))
     key_fingerprint: Mapped[str] = mapped_column(String(64))
     signature: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class RequestNonce(Base):
+    """A signed API request's nonce, kept while its timestamp is inside the window: a replay finds it here."""
+
+    __tablename__ = "request_nonces"
+
+    nonce: Mapped[str] = mapped_column(String(64), primary_key=True)
+    client: Mapped[str] = mapped_column(String(64))
+    seen_at: Mapped[datetime] = mapped_column(index=True)

@@ -31,6 +31,14 @@ class DocState(StrEnum):
     CANCELLED = "cancelled"
 
 
+class Role(StrEnum):
+    """An allow-listed client's role: `client` submits and reads its own jobs; `admin` also manages the
+    allow-list and reads and exports the audit log."""
+
+    CLIENT = "client"
+    ADMIN = "admin"
+
+
 ACTIVE_JOB = (JobState.QUEUED, JobState.RUNNING)
 TERMINAL_DOC = (DocState.DONE, DocState.FAILED, DocState.CANCELLED)
 OPEN_DOC = (DocState.PENDING, DocState.LEASED)

@@ -22,36 +22,13 @@ from sqlalchemy import and_, case, func, insert, not_, or_, select, update
 from sqlalchemy.orm import Session
 
 from pipeline import audit
-from pipeline.canonical import canonical_json
-from pipeline.envelope import sha256_hex
+from pipeline.envelope import result_statement  # noqa: F401 (the worker signs it, the client checks it)
 from pipeline.models import Document, Job, Result, utcnow
+from pipeline.reasons import MAX_REASON, bounded  # noqa: F401 (store.bounded, store.MAX_REASON)
 from pipeline.status import ACTIVE_JOB, OPEN_DOC, TERMINAL_DOC, DocState, JobState
 
 MAX_LEASE_EXPIRIES = 10
-MAX_REASON = 160  # well under audit.MAX_STRING, with room for a prefix
 WORKER_CRASHED = "worker_crashed"
-RESULT_STATEMENT = "enclave/1 result"
-
-
-def bounded(reason: str | None, limit: int = MAX_REASON) -> str | None:
-    """`reason` clipped to `limit` characters (an ellipsis marks the cut)."""
-    if reason is None or len(reason) <= limit:
-        return reason
-    return reason[: limit - 3] + "..."
-
-
-def result_statement(job_id: str, document_id: str, sealed_result: bytes, status: str) -> bytes:
-    """What the service signs for a result row and the client verifies: the job, the document, the SHA-256
-    of the sealed result bytes and the document's final status, in canonical JSON."""
-    return canonical_json(
-        {
-            "purpose": RESULT_STATEMENT,
-            "job_id": job_id,
-            "document_id": document_id,
-            "sha256": sha256_hex(sealed_result),
-            "status": status,
-        }
-    )
 
 
 @dataclass(frozen=True)

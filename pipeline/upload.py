@@ -18,6 +18,7 @@ stops with an error.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import delete, insert, select, update
@@ -42,17 +43,22 @@ class UploadError(UserError, ValueError):
 class Upload:
     """One submit's hold on its `uploading` job: `insert` chunks of document rows, then `finish`."""
 
-    def __init__(self, db: Database, job_id: str, client: str, token: str) -> None:
+    def __init__(self, db: Database, job_id: str, client: str, token: str, resumed: bool = False) -> None:
         self.db = db
         self.job_id = job_id
         self.client = client
         self.token = token
+        self.resumed = resumed  # an interrupted upload was taken over (its rows were cleared)
 
-    def insert(self, rows: list[dict[str, Any]]) -> None:
-        """Store document rows (column name -> value) in one short transaction."""
+    def insert(self, rows: list[dict[str, Any]], also: Callable[[Session], None] | None = None) -> None:
+        """Store document rows (column name -> value) in one short transaction, with `also(session)` (its
+        audit event) in the same transaction."""
         with self.db.transaction() as s:
             self._guard(s)
-            s.execute(insert(Document.__table__), rows)
+            if rows:
+                s.execute(insert(Document.__table__), rows)
+            if also is not None:
+                also(s)
 
     def finish(
         self, manifest: str, signature: bytes, sealed_params: bytes, total: int, details: dict[str, Any]
@@ -111,7 +117,7 @@ def begin(
                 raise
     if isinstance(claimed, Job):
         return claimed
-    upload = Upload(db, job_id, client, token)
+    upload = Upload(db, job_id, client, token, resumed=claimed)
     if claimed:
         upload.clear()
     return upload
