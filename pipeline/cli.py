@@ -61,20 +61,24 @@ def settings_of(ctx: click.Context) -> Settings:
 
 
 @cli.command()
-@click.option("--name", help="Name of this machine's client identity on the allow-list (default: $USER).")
+@click.option("--name", help="Name of this home's client identity on the allow-list (default: $USER).")
+@click.option(
+    "--no-model", is_flag=True, help="Skip the model (a host that runs no worker: the API, a migration)."
+)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def init(ctx: click.Context, name: str | None, as_json: bool) -> None:
-    """Create the home, database, keys, allow-list entry and demo model (idempotent)."""
+def init(ctx: click.Context, name: str | None, no_model: bool, as_json: bool) -> None:
+    """On the service host: create the home, database, service keys, this home's client identity (an
+    administrator on the allow-list) and the demo model (idempotent)."""
     from pipeline.home import init as do_init
 
-    report = do_init(settings_of(ctx), name)
+    report = do_init(settings_of(ctx), name, model=not no_model)
     data = {
         "home": str(report.home),
         "database": _safe_url(report.database_url),
         "service_fingerprint": report.service_fingerprint,
         "client_fingerprint": report.client_fingerprint,
-        "model": str(report.model),
+        "model": str(report.model) if report.model else None,
         "created": list(report.created),
     }
     if as_json:
@@ -83,7 +87,7 @@ def init(ctx: click.Context, name: str | None, as_json: bool) -> None:
     out.print(
         f"  service key  {report.service_fingerprint[:16]}   client key  {report.client_fingerprint[:16]}"
     )
-    out.print(f"  model        {report.model}")
+    out.print(f"  model        {report.model or 'not prepared (--no-model)'}")
 
 
 @cli.group()
@@ -155,6 +159,16 @@ def keys_import_service(ctx: click.Context, public_file: Path, force: bool) -> N
     out.print(f"service key {public.fingerprint} imported into {target}")
 
 
+@keys.command("export-service")
+@click.pass_context
+def keys_export_service(ctx: click.Context) -> None:
+    """Print the service's public.json, for clients' `enclave keys import-service`."""
+    from pipeline import keys as k
+
+    settings = settings_of(ctx)
+    click.echo(json.dumps(k.load_public(settings.service_key_dir).to_json(), indent=2, sort_keys=True))
+
+
 @cli.group()
 def clients() -> None:
     """The allow-list of client keys that may call the service (administrators)."""
@@ -162,15 +176,18 @@ def clients() -> None:
 
 @clients.command("add")
 @click.argument("name")
-@click.argument("public_file", type=click.Path(exists=True, path_type=Path))
+@click.argument("public_file", type=click.Path(exists=True, allow_dash=True, path_type=Path))
 @click.option("--admin", is_flag=True, help="An administrator: manages clients and reads the audit log.")
 @click.pass_context
 def clients_add(ctx: click.Context, name: str, public_file: Path, admin: bool) -> None:
-    """Allow-list the client whose public.json is PUBLIC_FILE."""
+    """Allow-list the client whose public.json is PUBLIC_FILE (`-`: read it from standard input)."""
     from pipeline import keys as k
     from pipeline.wire.messages import AddClient
 
-    public = k.load_public(public_file)
+    if str(public_file) == "-":
+        public = k.parse_public(click.get_text_stream("stdin").read(), "standard input")
+    else:
+        public = k.load_public(public_file)
     request = AddClient(
         name=name, x25519=public.x25519, ed25519=public.ed25519, role="admin" if admin else "client"
     )

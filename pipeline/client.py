@@ -241,10 +241,23 @@ def _upload(
 ) -> tuple[list[dict], list[tuple[str, str]]]:
     """Seal and send every document; returns the manifest entries and the refused (name, reason) pairs.
     Sealed bytes are held for one chunk at a time; a chunk stays within half the service's request bound."""
-    chunk_bytes_limit = min(CHUNK_BYTES, session.api.health().max_request_bytes // 2)
+    bound = session.api.health().max_request_bytes
+    chunk_bytes_limit = min(CHUNK_BYTES, bound // 2)
     entries, rejected = [], []
     chunk: list[m.DocumentRow] = []
     chunk_bytes = 0
+
+    def send() -> None:
+        try:
+            session.api.add_documents(job_id, m.DocumentChunk(token=token, documents=chunk))
+        except api_client.ServiceError as exc:
+            if exc.status != 413:
+                raise
+            raise ClientError(
+                f"the service takes requests of at most {bound} bytes and document {chunk[0].index} alone is "
+                f"larger once sealed (413 too_large): leave it out, or ask for a larger --max-request-mb"
+            ) from None
+
     for index, doc in enumerate(documents):
         row = _sealed_row(session, job_id, index, doc)
         entries.append({"id": row.id, "sha256": row.sha256})
@@ -252,12 +265,12 @@ def _upload(
             rejected.append((_printable(doc.name), row.error))
         size = len(row.sealed or b"") + len(row.sealed_name)
         if chunk and (len(chunk) >= CHUNK_ROWS or chunk_bytes + size > chunk_bytes_limit):
-            session.api.add_documents(job_id, m.DocumentChunk(token=token, documents=chunk))
+            send()
             chunk, chunk_bytes = [], 0
         chunk.append(row)
         chunk_bytes += size
     if chunk:
-        session.api.add_documents(job_id, m.DocumentChunk(token=token, documents=chunk))
+        send()
     return entries, rejected
 
 

@@ -23,7 +23,7 @@ class InitReport:
     database_url: str
     service_fingerprint: str
     client_fingerprint: str
-    model: Path
+    model: Path | None  # None: not prepared (`--no-model`, an API or migration host)
     created: tuple[str, ...]
 
 
@@ -47,7 +47,9 @@ def ensure_model(settings: Settings) -> Path:
     return path
 
 
-def init(settings: Settings, client_name: str | None = None) -> InitReport:
+def init(settings: Settings, client_name: str | None = None, model: bool = True) -> InitReport:
+    """Make the home, migrate the database, create the service keys and this home's client identity (an
+    administrator on the allow-list) and, with `model`, the demo model a worker serves."""
     created: list[str] = []
     settings.home.mkdir(parents=True, exist_ok=True)
     os.chmod(settings.home, 0o700)
@@ -67,13 +69,13 @@ def init(settings: Settings, client_name: str | None = None) -> InitReport:
                 created.append("allow-list entry (admin)")
     finally:
         db.dispose()
-    model = ensure_model(settings)
+    model_path = ensure_model(settings) if model else None
     return InitReport(
         settings.home,
         settings.database_url,
         service.public.fingerprint,
         client.public.fingerprint,
-        model,
+        model_path,
         tuple(created),
     )
 

@@ -226,16 +226,25 @@ def load_public(path: Path) -> PublicIdentity:
     if path.is_dir():
         path = path / PUBLIC_FILE
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise KeyFileError(
             f"no public key at {path}; run `enclave keys create` or ask for the file"
         ) from None
     except OSError as e:
         raise KeyFileError(f"cannot read public key {path}: {e.strerror}") from None
-    except (ValueError, UnicodeDecodeError):
+    except UnicodeDecodeError:
         raise KeyFileError(f"public key file {path} is not valid JSON") from None
+    return parse_public(text, f"public key file {path}")
+
+
+def parse_public(text: str, where: str) -> PublicIdentity:
+    """A public identity from the text of a `public.json`; `where` names its origin in errors."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise KeyFileError(f"{where} is not valid JSON") from None
     try:
         return PublicIdentity.from_json(data)
     except KeyFileError as e:
-        raise KeyFileError(f"public key file {path}: {e}") from None
+        raise KeyFileError(f"{where}: {e}") from None

@@ -11,10 +11,10 @@ from celery import Celery
 
 from pipeline import store
 from pipeline.db import Database
+from pipeline.dispatch import dispatch_shard
 from pipeline.errors import stack_without_message
 from pipeline.models import Job
 from pipeline.settings import Settings
-from pipeline.tasks import dispatch_shard
 
 log = logging.getLogger("enclave.worker")
 

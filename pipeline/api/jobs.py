@@ -59,7 +59,7 @@ class Dispatcher:
         """Tell the workers; False when the broker is unreachable (the job stays queued and the sweeper
         dispatches it)."""
         from pipeline.celery_app import make_celery
-        from pipeline.tasks import dispatch_shard
+        from pipeline.dispatch import dispatch_shard
 
         if self._app is None:
             self._app = make_celery(self.settings)
