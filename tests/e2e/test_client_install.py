@@ -26,8 +26,12 @@ def client_venv(where: Path) -> Path:
     """A fresh venv with the project installed without extras, from a copy of its sources (no build files
     land in the work tree). pip's cache makes repeats quick; the registry is reached otherwise."""
     src = where / "src"
+    src.mkdir(parents=True)
     for name in SOURCES:
-        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, src / name)
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / name, src / name)
     venv.create(where / "venv", with_pip=True)
     python = where / "venv" / "bin" / "python"
     proc = subprocess.run(
