@@ -15,8 +15,7 @@ content-free already (codes, JSON paths, offsets, sizes, counts).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from sqlalchemy import and_, case, func, insert, not_, or_, select, update
 from sqlalchemy.orm import Session
@@ -31,78 +30,12 @@ MAX_LEASE_EXPIRIES = 10
 WORKER_CRASHED = "worker_crashed"
 
 
-@dataclass(frozen=True)
-class JobStatus:
-    """A job's state and document counts, as `enclave status` reports them. `name` is a job's name in clear
-    only for jobs from before names were sealed; the client opens `sealed_name` with its key."""
-
-    job_id: str
-    name: str
-    kind: str
-    status: str
-    priority: int
-    total: int
-    counts: dict[str, int] = field(default_factory=dict)
-    created_at: datetime | None = None
-    finished_at: datetime | None = None
-    error: str | None = None
-    sealed_name: bytes | None = None
-
-    @property
-    def done(self) -> int:
-        return self.counts.get(DocState.DONE, 0)
-
-    @property
-    def failed(self) -> int:
-        return self.counts.get(DocState.FAILED, 0)
-
-    def as_json(self) -> dict:
-        return {
-            "job_id": self.job_id,
-            "name": self.name,
-            "kind": self.kind,
-            "status": self.status,
-            "priority": self.priority,
-            "total": self.total,
-            "done": self.done,
-            "failed": self.failed,
-            "pending": self.counts.get(DocState.PENDING, 0) + self.counts.get(DocState.LEASED, 0),
-            "cancelled": self.counts.get(DocState.CANCELLED, 0),
-            "created_at": _iso(self.created_at),
-            "finished_at": _iso(self.finished_at),
-            "error": self.error,
-        }
-
-
-def _iso(value: datetime | None) -> str | None:
-    return value.isoformat(timespec="seconds") + "Z" if value else None
-
-
-def job_status(session: Session, job_id: str) -> JobStatus | None:
-    job = session.get(Job, job_id)
-    if job is None:
-        return None
+def document_counts(session: Session, job_id: str) -> dict[str, int]:
+    """The job's documents by status: {"done": 3, "pending": 1, ...} (statuses with none are absent)."""
     rows = session.execute(
         select(Document.status, func.count()).where(Document.job_id == job_id).group_by(Document.status)
     ).all()
-    return JobStatus(
-        job.id,
-        job.name,
-        job.kind,
-        job.status,
-        job.priority,
-        job.total,
-        dict(rows),
-        job.created_at,
-        job.finished_at,
-        job.error,
-        job.sealed_name,
-    )
-
-
-def list_jobs(session: Session, limit: int = 100) -> list[JobStatus]:
-    ids = session.scalars(select(Job.id).order_by(Job.created_at.desc()).limit(limit)).all()
-    return [s for i in ids if (s := job_status(session, i)) is not None]
+    return {str(status): n for status, n in rows}
 
 
 def lease(

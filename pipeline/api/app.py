@@ -130,7 +130,7 @@ class _Routes:
 
     async def list_jobs(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
         limit = _int(request, "limit", 100, 1, 10_000)
-        return await run_in_threadpool(self.service.jobs.list, caller, limit)
+        return await run_in_threadpool(self.service.jobs.list_jobs, caller, limit)
 
     async def status(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
         return await run_in_threadpool(self.service.jobs.status, caller, request.path_params["job"])

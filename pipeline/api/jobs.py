@@ -29,16 +29,13 @@ MAX_PAGE_BYTES = 8 * 2**20  # sealed result bytes in one results page
 
 
 def job_info(session: Session, job: Job) -> m.JobInfo:
-    counts = session.execute(
-        select(Document.status, func.count()).where(Document.job_id == job.id).group_by(Document.status)
-    ).all()
     return m.JobInfo(
         job_id=job.id,
         kind=job.kind,
         status=job.status,
         priority=job.priority,
         total=job.total,
-        counts={str(status): n for status, n in counts},
+        counts=store.document_counts(session, job.id),
         created_at=job.created_at,
         finished_at=job.finished_at,
         error=job.error,
@@ -179,13 +176,7 @@ class Jobs:
                 raise not_found(job_id)
             if manifest["job_id"] != job_id or manifest["kind"] != job.kind:
                 raise ApiError(400, "bad_manifest", "the manifest belongs to another job")
-            counts = dict(
-                s.execute(
-                    select(Document.status, func.count())
-                    .where(Document.job_id == job_id)
-                    .group_by(Document.status)
-                ).all()
-            )
+            counts = store.document_counts(s, job_id)
         total = sum(counts.values())
         if total != len(manifest["documents"]):
             raise ApiError(
@@ -212,7 +203,7 @@ class Jobs:
             job_id=job_id, kind=job.kind, documents=total, rejected=rejected, dispatched=dispatched
         )
 
-    def list(self, caller: Caller, limit: int) -> m.JobList:
+    def list_jobs(self, caller: Caller, limit: int) -> m.JobList:
         with self.db.transaction() as s:
             jobs = s.scalars(
                 select(Job)
