@@ -38,7 +38,8 @@ def _batch_file(exc: BaseException) -> str:
     return f"the batch file has {len(errors)} bad line(s), nothing was stored: " + join_bounded(errors, 2000)
 
 
-def _database(exc: BaseException) -> str:
+def database_message(exc: BaseException) -> str:
+    """One line for a database error (SQLAlchemy's): not initialised, cannot be opened, or its first line."""
     reason = str(getattr(exc, "orig", exc))
     if "no such table" in reason.lower() or (
         type(exc).__name__ == "ProgrammingError" and "does not exist" in reason
@@ -59,7 +60,7 @@ DESCRIBED: dict[str, Callable[[BaseException], str]] = {
     "jobs.params.JobParamError": _message,
     "engine.errors.EngineError": _message,
     "engine.env.EnvError": _message,
-    "sqlalchemy.exc.DBAPIError": _database,
+    "sqlalchemy.exc.DBAPIError": database_message,
     "kombu.exceptions.OperationalError": _broker,
     "builtins.FileNotFoundError": _message,
     "builtins.PermissionError": _message,

@@ -9,6 +9,8 @@ uploads and results go a chunk or a page at a time.
 
 from __future__ import annotations
 
+import logging
+
 import anyio.from_thread
 import httpx2 as httpx
 
@@ -50,9 +52,30 @@ class EmbeddedService:
         # the database and broker code: imported in the embedded case only
         from pipeline.api.app import Service, create_app
 
+        _log_to_home(settings)
         self.service = Service(settings)
         self.transport = InProcessTransport(create_app(self.service))
 
     def close(self) -> None:
         self.transport.close()
         self.service.close()
+
+
+def _log_to_home(settings: Settings) -> None:
+    """The in-process API logs (types and stacks of its internal errors, never messages) to the home's
+    logs/enclave.log, as `enclave serve` does to its own log, not onto the command's terminal."""
+    logger = logging.getLogger("enclave.api")
+    logger.propagate = False
+    file = settings.home / "logs" / "enclave.log"
+    for handler in list(logger.handlers):
+        if getattr(handler, "baseFilename", None) == str(file):
+            return
+        logger.removeHandler(handler)
+        handler.close()
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        handler: logging.Handler = logging.FileHandler(file)
+    except OSError:  # an unwritable home: the command's own error says so; the API's log is dropped
+        handler = logging.NullHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)

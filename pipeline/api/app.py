@@ -35,7 +35,7 @@ from pipeline.api.auth import Authenticator, Caller
 from pipeline.api.errors import ApiError, malformed
 from pipeline.api.jobs import Dispatcher, Jobs
 from pipeline.db import Database
-from pipeline.errors import stack_without_message
+from pipeline.errors import database_message, stack_without_message
 from pipeline.settings import Settings
 from pipeline.wire import messages as m
 from pipeline.wire import signing
@@ -206,7 +206,7 @@ def _too_large(limit: int) -> ApiError:
 def _unexpected(request: Request, exc: Exception) -> Response:
     if type(exc).__module__.startswith("sqlalchemy"):
         log.error("database error on %s %s: %s", request.method, request.url.path, stack_without_message(exc))
-        return error(ApiError(503, "unavailable", "the service's database is unavailable; try again later"))
+        return error(ApiError(503, "unavailable", database_message(exc)))
     log.error("internal error on %s %s: %s", request.method, request.url.path, stack_without_message(exc))
     return error(ApiError(500, "internal", "internal error in the service; its log has the stack trace"))
 
