@@ -14,6 +14,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from jobs import KINDS
 from pipeline import audit, envelope, store, upload
 from pipeline.api.auth import Caller
 from pipeline.api.errors import ApiError, conflict, malformed, not_found
@@ -90,6 +91,8 @@ class Jobs:
 
     def begin(self, caller: Caller, request: m.BeginUpload) -> m.UploadClaim:
         job_id = _job_id(request.job_id)
+        if request.kind not in KINDS:
+            raise malformed(f"unknown kind (known: {', '.join(sorted(KINDS))})")
         try:
             claimed = upload.begin(
                 self.db, job_id, caller.fingerprint, request.kind, request.sealed_name, request.priority

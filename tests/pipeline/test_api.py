@@ -122,3 +122,48 @@ def test_a_job_id_that_is_not_a_uuid_is_refused_by_the_service(alice):
     with pytest.raises(api_client.ServiceError, match=r"\(400 malformed\): a job id must be a UUID"):
         alice.api.begin(m.BeginUpload(job_id="job-1", kind="summarize"))
     assert alice.api.begin(m.BeginUpload(job_id=str(uuid.uuid4()), kind="summarize")).state == "new"
+
+
+def test_a_request_signed_as_documented_is_accepted(alice):
+    """The scheme as ARCHITECTURE section 8 states it, built here with `cryptography` and `json` alone (not
+    with pipeline.wire.signing): Ed25519 over the canonical JSON of the request's fields, in five headers."""
+    import base64
+    import hashlib
+    import json
+    import secrets
+    import time
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+    pem = (alice.settings.client_key_dir / "ed25519.pem").read_bytes()
+    key = load_pem_private_key(pem, None)
+    assert isinstance(key, Ed25519PrivateKey)
+    body, nonce, now = b"", secrets.token_hex(16), int(time.time())
+    fields = {
+        "purpose": "enclave-request/1",
+        "method": "GET",
+        "target": "/v1/jobs?limit=5",
+        "timestamp": now,
+        "nonce": nonce,
+        "body_sha256": hashlib.sha256(body).hexdigest(),
+        "client": alice.fingerprint,
+    }
+    statement = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    headers = {
+        "x-enclave-client": alice.fingerprint,
+        "x-enclave-timestamp": str(now),
+        "x-enclave-nonce": nonce,
+        "x-enclave-content-sha256": fields["body_sha256"],
+        "x-enclave-signature": base64.b64encode(key.sign(statement)).decode(),
+    }
+    http = alice.api.http
+    answer = http.send(
+        httpx.Request("GET", http.base_url.join("/v1/jobs?limit=5"), headers=headers), auth=None
+    )
+    assert answer.status_code == 200 and answer.json() == {"jobs": []}
+    headers["x-enclave-nonce"] = secrets.token_hex(16)  # any field changed: the signature no longer holds
+    answer = http.send(
+        httpx.Request("GET", http.base_url.join("/v1/jobs?limit=5"), headers=headers), auth=None
+    )
+    assert (answer.status_code, answer.json()["error"]["code"]) == (401, "bad_signature")
