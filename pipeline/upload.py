@@ -102,15 +102,24 @@ class Upload:
 
 
 def begin(
-    db: Database, job_id: str, client: str, kind: str, sealed_name: bytes | None, priority: int
+    db: Database,
+    job_id: str,
+    client: str,
+    kind: str,
+    sealed_name: bytes | None,
+    priority: int,
+    on_claim: Callable[[Session, bool], None] | None = None,
 ) -> Upload | Job:
     """Claim `job_id` for a new upload by `client`, or return the job if it was already submitted.
-    `sealed_name` is the job's name sealed to the client (`envelope.seal_job_name`), or None."""
+    `sealed_name` is the job's name sealed to the client (`envelope.seal_job_name`), or None.
+    `on_claim(session, resumed)` runs in the claim's transaction (its audit event) when the id is claimed."""
     token = uuid.uuid4().hex
     for attempt in range(2):
         try:
             with db.transaction() as s:
                 claimed = _claim(s, job_id, client, token, kind, sealed_name, priority)
+                if on_claim is not None and not isinstance(claimed, Job):
+                    on_claim(s, claimed)
             break
         except IntegrityError:  # a concurrent submit created the same id first: take it over
             if attempt:

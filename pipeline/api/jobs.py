@@ -93,26 +93,29 @@ class Jobs:
         job_id = _job_id(request.job_id)
         if request.kind not in KINDS:
             raise malformed(f"unknown kind (known: {', '.join(sorted(KINDS))})")
+        def audited(session: Session, resumed: bool) -> None:
+            details = {"kind": request.kind, "resumed": resumed}
+            self._audit(session, caller, audit.UPLOAD_STARTED, job_id, details)
+
         try:
             claimed = upload.begin(
-                self.db, job_id, caller.fingerprint, request.kind, request.sealed_name, request.priority
+                self.db,
+                job_id,
+                caller.fingerprint,
+                request.kind,
+                request.sealed_name,
+                request.priority,
+                on_claim=audited,
             )
         except upload.UploadError as exc:
             raise conflict(str(exc)) from None
         if isinstance(claimed, Job):
             with self.db.transaction() as s:
                 return m.UploadClaim(state="existing", job=job_info(s, s.get(Job, job_id)))
-        with self.db.transaction() as s:
-            audit.append(
-                s,
-                actor=caller.fingerprint,
-                action=audit.UPLOAD_STARTED,
-                job_id=job_id,
-                details={"kind": request.kind, "resumed": claimed.resumed},
-            )
         return m.UploadClaim(state="resumed" if claimed.resumed else "new", token=claimed.token)
 
     def add_documents(self, caller: Caller, job_id: str, chunk: m.DocumentChunk) -> m.ChunkStored:
+        job_id = _job_id(job_id)
         rows = [self._row(job_id, doc) for doc in chunk.documents]
         target = upload.Upload(self.db, job_id, caller.fingerprint, chunk.token)
         details = {"documents": len(rows), "indexes": [rows[0]["index"], rows[-1]["index"]] if rows else []}
@@ -161,6 +164,7 @@ class Jobs:
     def finish(self, caller: Caller, job_id: str, request: m.FinishUpload) -> m.Submitted:
         """Check the manifest's signature and fields against the stored upload, queue the job and tell the
         workers about each shard with work."""
+        job_id = _job_id(job_id)
         try:
             manifest = envelope.verify_manifest(request.manifest, request.signature, caller.public)
         except envelope.ManifestError as exc:
