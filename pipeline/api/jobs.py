@@ -93,6 +93,7 @@ class Jobs:
         job_id = _job_id(request.job_id)
         if request.kind not in KINDS:
             raise malformed(f"unknown kind (known: {', '.join(sorted(KINDS))})")
+
         def audited(session: Session, resumed: bool) -> None:
             details = {"kind": request.kind, "resumed": resumed}
             self._audit(session, caller, audit.UPLOAD_STARTED, job_id, details)
