@@ -17,7 +17,7 @@ COPY pipeline pipeline
 COPY jobs jobs
 COPY migrations migrations
 # PyPI's default torch wheel is the CUDA build, which is what this image wants.
-RUN pip install --no-cache-dir "torch>=2.11" .
+RUN pip install --no-cache-dir "torch>=2.11" ".[worker]"
 
 RUN mkdir -p /var/lib/enclave && chown enclave /var/lib/enclave
 USER enclave

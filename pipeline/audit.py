@@ -21,6 +21,7 @@ from sqlalchemy import Row, func, select, text
 from sqlalchemy.orm import Session
 
 from jobs.bounded_json import has_lone_surrogate
+from pipeline.canonical import canonical_json
 from pipeline.models import AuditCheckpoint, AuditEvent
 
 SUBMITTED = "submitted"
@@ -34,7 +35,19 @@ RESULTS_FETCHED = "results_fetched"
 CHECKPOINT = "checkpoint"
 CLIENT_ADDED = "client_added"
 CLIENT_REVOKED = "client_revoked"
-_JOB_ACTIONS = (SUBMITTED, REJECTED, STARTED, DOCUMENT_DONE, DOCUMENT_FAILED, CANCELLED, COMPLETED)
+UPLOAD_STARTED = "upload_started"  # a submit claimed its job id (new, or an interrupted upload taken over)
+DOCUMENTS_STORED = "documents_stored"  # one chunk of a submit's sealed documents
+_JOB_ACTIONS = (
+    UPLOAD_STARTED,
+    DOCUMENTS_STORED,
+    SUBMITTED,
+    REJECTED,
+    STARTED,
+    DOCUMENT_DONE,
+    DOCUMENT_FAILED,
+    CANCELLED,
+    COMPLETED,
+)
 ACTIONS = frozenset((*_JOB_ACTIONS, RESULTS_FETCHED, CHECKPOINT, CLIENT_ADDED, CLIENT_REVOKED))
 
 GENESIS = "0" * 64  # prev_hash of row 1
@@ -53,11 +66,6 @@ class VerifyReport:
     checkpoints: int
     first_bad_seq: int | None = None
     reason: str | None = None
-
-
-def canonical_json(obj: Any) -> bytes:
-    """The one byte encoding that is hashed and signed: sorted keys, no spaces, UTF-8."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def checkpoint_payload(size: int, head_hash: str) -> bytes:

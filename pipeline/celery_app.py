@@ -32,7 +32,7 @@ def make_celery(settings: Settings) -> Celery:
     options: dict = {}
     if settings.broker_url.startswith("redis"):
         # Redelivery of unacknowledged messages; leases, not the broker, guarantee exactly-once results.
-        # Priority queues: Redis serves lower numbers first (tasks.dispatch_shard maps ours onto that).
+        # Priority queues: Redis serves lower numbers first (dispatch.dispatch_shard maps ours onto that).
         options = {
             "visibility_timeout": max(60, int(3 * settings.limits.lease_seconds)),
             "queue_order_strategy": "priority",

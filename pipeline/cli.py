@@ -61,20 +61,24 @@ def settings_of(ctx: click.Context) -> Settings:
 
 
 @cli.command()
-@click.option("--name", help="Name of this machine's client identity on the allow-list (default: $USER).")
+@click.option("--name", help="Name of this home's client identity on the allow-list (default: $USER).")
+@click.option(
+    "--no-model", is_flag=True, help="Skip the model (a host that runs no worker: the API, a migration)."
+)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def init(ctx: click.Context, name: str | None, as_json: bool) -> None:
-    """Create the home, database, keys, allow-list entry and demo model (idempotent)."""
+def init(ctx: click.Context, name: str | None, no_model: bool, as_json: bool) -> None:
+    """On the service host: create the home, database, service keys, this home's client identity (an
+    administrator on the allow-list) and the demo model (idempotent)."""
     from pipeline.home import init as do_init
 
-    report = do_init(settings_of(ctx), name)
+    report = do_init(settings_of(ctx), name, model=not no_model)
     data = {
         "home": str(report.home),
         "database": _safe_url(report.database_url),
         "service_fingerprint": report.service_fingerprint,
         "client_fingerprint": report.client_fingerprint,
-        "model": str(report.model),
+        "model": str(report.model) if report.model else None,
         "created": list(report.created),
     }
     if as_json:
@@ -83,7 +87,7 @@ def init(ctx: click.Context, name: str | None, as_json: bool) -> None:
     out.print(
         f"  service key  {report.service_fingerprint[:16]}   client key  {report.client_fingerprint[:16]}"
     )
-    out.print(f"  model        {report.model}")
+    out.print(f"  model        {report.model or 'not prepared (--no-model)'}")
 
 
 @cli.group()
@@ -135,25 +139,60 @@ def keys_show(ctx: click.Context, as_json: bool) -> None:
         out.print(f"{label:8} {item['fingerprint']}  ({item['public_file']})")
 
 
+@keys.command("import-service")
+@click.argument("public_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="Replace a different service key already imported.")
+@click.pass_context
+def keys_import_service(ctx: click.Context, public_file: Path, force: bool) -> None:
+    """Trust the service whose public.json is PUBLIC_FILE: documents are sealed to it, results checked
+    against it. Compare the fingerprint printed with the one its administrator gives you."""
+    from pipeline import keys as k
+
+    settings = settings_of(ctx)
+    public = k.load_public(public_file)
+    target = settings.service_key_dir / k.PUBLIC_FILE
+    if target.exists() and k.load_public(target) != public and not force:
+        raise UserError(f"{target} holds another service's key; pass --force to replace it")
+    if (settings.service_key_dir / k.X25519_FILE).exists() and k.load_public(target) != public:
+        raise UserError(f"{settings.service_key_dir} holds this host's own service keys; use another home")
+    k.save_public(public, settings.service_key_dir)
+    out.print(f"service key {public.fingerprint} imported into {target}")
+
+
+@keys.command("export-service")
+@click.pass_context
+def keys_export_service(ctx: click.Context) -> None:
+    """Print the service's public.json, for clients' `enclave keys import-service`."""
+    from pipeline import keys as k
+
+    settings = settings_of(ctx)
+    click.echo(json.dumps(k.load_public(settings.service_key_dir).to_json(), indent=2, sort_keys=True))
+
+
 @cli.group()
 def clients() -> None:
-    """The allow-list of client keys that may submit jobs."""
+    """The allow-list of client keys that may call the service (administrators)."""
 
 
 @clients.command("add")
 @click.argument("name")
-@click.argument("public_file", type=click.Path(exists=True, path_type=Path))
+@click.argument("public_file", type=click.Path(exists=True, allow_dash=True, path_type=Path))
+@click.option("--admin", is_flag=True, help="An administrator: manages clients and reads the audit log.")
 @click.pass_context
-def clients_add(ctx: click.Context, name: str, public_file: Path) -> None:
-    """Allow-list the client whose public.json is PUBLIC_FILE."""
+def clients_add(ctx: click.Context, name: str, public_file: Path, admin: bool) -> None:
+    """Allow-list the client whose public.json is PUBLIC_FILE (`-`: read it from standard input)."""
     from pipeline import keys as k
-    from pipeline.home import add_client
+    from pipeline.wire.messages import AddClient
 
-    settings = settings_of(ctx)
-    public = k.load_public(public_file)
-    with _db(settings).transaction() as s:
-        add_client(s, name, public, actor=_service_actor(settings))
-    out.print(f"allow-listed {name}: {public.fingerprint}")
+    if str(public_file) == "-":
+        public = k.parse_public(click.get_text_stream("stdin").read(), "standard input")
+    else:
+        public = k.load_public(public_file)
+    request = AddClient(
+        name=name, x25519=public.x25519, ed25519=public.ed25519, role="admin" if admin else "client"
+    )
+    added = _session(ctx).api.add_client(request)
+    out.print(f"allow-listed {added.name} ({added.role}): {added.fingerprint}")
 
 
 @clients.command("list")
@@ -161,23 +200,12 @@ def clients_add(ctx: click.Context, name: str, public_file: Path) -> None:
 @click.pass_context
 def clients_list(ctx: click.Context, as_json: bool) -> None:
     """List allow-listed (and revoked) clients."""
-    from pipeline.models import Client
-
-    with _db(settings_of(ctx)).transaction() as s:
-        rows = [
-            {
-                "name": c.name,
-                "fingerprint": c.fingerprint,
-                "created_at": c.created_at,
-                "revoked_at": c.revoked_at,
-            }
-            for c in s.query(Client).order_by(Client.created_at)
-        ]
+    rows = [c.model_dump(mode="json") for c in _session(ctx).api.clients().clients]
     if as_json:
         return emit(rows)
-    table = Table("name", "fingerprint", "added", "revoked")
+    table = Table("name", "role", "fingerprint", "added", "revoked")
     for r in rows:
-        table.add_row(r["name"], r["fingerprint"], _when(r["created_at"]), _when(r["revoked_at"]) or "")
+        table.add_row(r["name"], r["role"], r["fingerprint"], _when(r["created_at"]), _when(r["revoked_at"]))
     out.print(table)
 
 
@@ -185,23 +213,9 @@ def clients_list(ctx: click.Context, as_json: bool) -> None:
 @click.argument("fingerprint")
 @click.pass_context
 def clients_revoke(ctx: click.Context, fingerprint: str) -> None:
-    """Revoke a client: workers refuse its jobs from now on."""
-    from pipeline import audit
-    from pipeline.models import Client, utcnow
-
-    settings = settings_of(ctx)
-    with _db(settings).transaction() as s:
-        matches = [c for c in s.query(Client) if c.fingerprint.startswith(fingerprint.lower())]
-        if len(matches) != 1:
-            raise UserError(f"{len(matches)} clients match {fingerprint!r}; give more of the fingerprint")
-        matches[0].revoked_at = utcnow()
-        audit.append(
-            s,
-            actor=_service_actor(settings),
-            action="client_revoked",
-            details={"client": matches[0].fingerprint},
-        )
-    out.print(f"revoked {matches[0].name}: {matches[0].fingerprint}")
+    """Revoke a client: the service refuses its requests and workers its jobs from now on."""
+    revoked = _session(ctx).api.revoke(fingerprint)
+    out.print(f"revoked {revoked.name}: {revoked.fingerprint}")
 
 
 @cli.command()
@@ -231,7 +245,6 @@ def submit(ctx, paths, kind, batch, name, params, priority, job_id, as_json) -> 
     from jobs.params import resolve_file_params
     from pipeline import client as c
 
-    settings = settings_of(ctx)
     if batch and (paths or kind):
         raise UserError("give either --openai-batch FILE or PATH... --kind KIND, not both")
     if not batch and not (paths and kind):
@@ -242,15 +255,12 @@ def submit(ctx, paths, kind, batch, name, params, priority, job_id, as_json) -> 
         if not chosen:  # printed before the upload, so an interrupted submit can be repeated with this id
             err.print(f"job {claimed}: uploading (if interrupted, submit again with --job-id {claimed})")
 
-    session = c.ClientSession(settings)
-    try:
-        if batch:
-            result = c.submit_openai_batch(session, batch, name, priority, job_id, announce)
-        else:
-            params = resolve_file_params(_params(params))
-            result = c.submit_files(session, list(paths), kind, params, name, priority, job_id, announce)
-    finally:
-        session.close()
+    session = _session(ctx)
+    if batch:
+        result = c.submit_openai_batch(session, batch, name, priority, job_id, announce)
+    else:
+        params = resolve_file_params(_params(params))
+        result = c.submit_files(session, list(paths), kind, params, name, priority, job_id, announce)
     if as_json:
         return emit(
             {
@@ -295,25 +305,22 @@ def _params(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.pass_context
 def status(ctx: click.Context, job: str | None, watch: bool, as_json: bool) -> None:
     """A job's status and progress (without JOB: all jobs)."""
-    from pipeline import store
+    from pipeline import client as c
 
-    settings = settings_of(ctx)
-    db = _db(settings)
     if job is None:
         return ctx.invoke(jobs, as_json=as_json)
-    with db.transaction() as s:
-        job_id = _resolve(s, job)
-        current = store.job_status(s, job_id)
+    session = _session(ctx)
+    current = c.job_status(session, job)
     if watch and not as_json:
-        current = _watch(db, job_id)
-    [current] = _named(settings, [current])
+        current = _watch(session, current.job_id)
     if as_json:
-        return emit(current.as_json())
-    _print_status([current])
+        return emit(_job_json(current, c.job_name(session, current)))
+    _print_status([(current, c.job_name(session, current))])
 
 
-def _watch(db, job_id: str):
-    from pipeline import store
+def _watch(session, job_id: str):
+    from pipeline import client as c
+    from pipeline.status import ACTIVE_JOB
 
     columns = (
         TextColumn("{task.description}"),
@@ -324,8 +331,7 @@ def _watch(db, job_id: str):
     with Progress(*columns, console=out) as progress:
         task = progress.add_task(job_id[:8], total=None, state="")
         while True:
-            with db.transaction() as s:
-                current = store.job_status(s, job_id)
+            current = c.job_status(session, job_id)
             finished = current.done + current.failed
             progress.update(
                 task,
@@ -333,7 +339,7 @@ def _watch(db, job_id: str):
                 completed=finished,
                 state=f"{current.status}, {current.failed} failed",
             )
-            if current.status not in store.ACTIVE_JOB:
+            if current.status not in ACTIVE_JOB:
                 return current
             time.sleep(1.0)
 
@@ -342,42 +348,45 @@ def _watch(db, job_id: str):
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def jobs(ctx: click.Context, as_json: bool) -> None:
-    """Recent jobs, newest first."""
-    from pipeline import store
+    """This client's recent jobs, newest first."""
+    from pipeline import client as c
 
-    settings = settings_of(ctx)
-    with _db(settings).transaction() as s:
-        rows = _named(settings, store.list_jobs(s))
+    session = _session(ctx)
+    rows = [(job, c.job_name(session, job)) for job in c.list_jobs(session)]
     if as_json:
-        return emit([r.as_json() for r in rows])
+        return emit([_job_json(job, name) for job, name in rows])
     _print_status(rows)
 
 
-def _named(settings: Settings, rows: list) -> list:
-    """`rows` (store.JobStatus) with each job's name opened with this client's key, locally; a name this
-    client cannot open (another client's, or no client key here) shows as empty."""
-    from dataclasses import replace
+def _job_json(job, name: str) -> dict:
+    """A job (`JobInfo`) as `--json` prints it, its name opened with this client's key."""
+    counts = job.counts
+    return {
+        "job_id": job.job_id,
+        "name": name,
+        "kind": job.kind,
+        "status": job.status,
+        "priority": job.priority,
+        "total": job.total,
+        "done": job.done,
+        "failed": job.failed,
+        "pending": counts.get("pending", 0) + counts.get("leased", 0),
+        "cancelled": counts.get("cancelled", 0),
+        "created_at": _iso(job.created_at),
+        "finished_at": _iso(job.finished_at),
+        "error": job.error,
+    }
 
-    from pipeline.client import open_job_name
 
-    identity = _client_identity(settings) if any(r.sealed_name for r in rows) else None
-    return [replace(r, name=open_job_name(identity, r.job_id, r.sealed_name, r.name)) for r in rows]
-
-
-def _client_identity(settings: Settings):
-    from pipeline import keys as k
-
-    try:
-        return k.load_identity(settings.client_key_dir, settings.passphrase("client"))
-    except k.KeyFileError:  # no client key on this host, or its passphrase is not set: names stay hidden
-        return None
+def _iso(value) -> str | None:
+    return value.isoformat(timespec="seconds") + "Z" if value else None
 
 
 def _print_status(rows) -> None:
     table = Table("job", "name", "kind", "status", "done", "failed", "total", "created")
-    for r in rows:
+    for r, name in rows:
         table.add_row(
-            r.job_id, r.name, r.kind, r.status, str(r.done), str(r.failed), str(r.total), _when(r.created_at)
+            r.job_id, name, r.kind, r.status, str(r.done), str(r.failed), str(r.total), _when(r.created_at)
         )
     out.print(table)
 
@@ -388,24 +397,17 @@ def _print_status(rows) -> None:
 @click.pass_context
 def cancel(ctx: click.Context, job: str, as_json: bool) -> None:
     """Cancel a queued or running job; documents already finished keep their results."""
-    from pipeline import store
-    from pipeline.client import ClientSession
+    from pipeline import client as c
 
-    settings = settings_of(ctx)
-    session = ClientSession(settings)
-    try:
-        with session.db.transaction() as s:
-            job_id = _resolve(s, job)
-            ok = store.cancel_job(s, job_id, session.fingerprint)
-            current = store.job_status(s, job_id)
-        [current] = _named(settings, [current])
-    finally:
-        session.close()
-    if not ok:
-        raise UserError(f"job {job_id} is already {current.status}")
+    session = _session(ctx)
+    answer = c.cancel(session, job)
+    current = answer.job
+    if not answer.cancelled:
+        raise UserError(f"job {current.job_id} is already {current.status}")
     if as_json:
-        return emit(current.as_json())
-    out.print(f"cancelled {job_id} ({current.done} done, {current.counts.get('cancelled', 0)} cancelled)")
+        return emit(_job_json(current, c.job_name(session, current)))
+    done, cancelled = current.done, current.counts.get("cancelled", 0)
+    out.print(f"cancelled {current.job_id} ({done} done, {cancelled} cancelled)")
 
 
 @cli.command()
@@ -422,26 +424,32 @@ def results(ctx: click.Context, job: str, out_dir: Path, partial: bool, as_json:
     A result without the service's valid signature is refused (named, not opened); the others are written,
     and the command exits non-zero.
     """
+    from collections import Counter
+
     from pipeline import client as c
     from pipeline.results_files import write_results
 
-    session = c.ClientSession(settings_of(ctx))
-    try:
-        with session.db.transaction() as s:
-            job_id = _resolve(s, job)
-        job_row, records = c.fetch_results(session, job_id, partial)
-        name = c.job_name(session, job_row)
-    finally:
-        session.close()
-    files = write_results(out_dir, job_row.kind, records)
-    refused = [r["error"] for r in records if r["status"] == "refused"]
+    session = _session(ctx)
+    job_info, records = c.iter_results(session, job, partial)
+    counts: Counter[str] = Counter()
+    refused: list[str] = []
+
+    def counted():
+        for record in records:
+            counts[record["status"]] += 1
+            if record["status"] == "refused":
+                refused.append(record["error"])
+            yield record
+
+    files = write_results(out_dir, job_info.kind, counted())
+    total = sum(counts.values())
     summary = {
-        "job_id": job_id,
-        "name": name,
-        "status": job_row.status,
-        "documents": len(records),
-        "done": sum(r["status"] == "done" for r in records),
-        "failed": sum(r["status"] == "failed" for r in records),
+        "job_id": job_info.job_id,
+        "name": c.job_name(session, job_info),
+        "status": job_info.status,
+        "documents": total,
+        "done": counts["done"],
+        "failed": counts["failed"],
         "refused": len(refused),
         "files": [str(f) for f in files],
     }
@@ -452,7 +460,7 @@ def results(ctx: click.Context, job: str, out_dir: Path, partial: bool, as_json:
     if refused:
         more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
         raise UserError(
-            f"{len(refused)} of {len(records)} results refused (not opened): {'; '.join(refused[:3])}{more}"
+            f"{len(refused)} of {total} results refused (not opened): {'; '.join(refused[:3])}{more}"
         )
 
 
@@ -462,32 +470,19 @@ def audit() -> None:
 
 
 @audit.command("log")
-@click.option("--job", help="Only this job's events.")
-@click.option("--limit", type=int, default=200)
+@click.option("--job", help="Only this job's events (its id, or a prefix).")
+@click.option("--limit", type=click.IntRange(1, 10_000_000), default=200)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def audit_log(ctx: click.Context, job: str | None, limit: int, as_json: bool) -> None:
-    """Show audit events, oldest first."""
-    from pipeline.models import AuditEvent
-
-    with _db(settings_of(ctx)).transaction() as s:
-        query = s.query(AuditEvent).order_by(AuditEvent.seq)
-        if job:
-            query = query.filter(AuditEvent.job_id == _resolve(s, job))
-        rows = [
-            {
-                "seq": e.seq,
-                "at": e.at,
-                "actor": e.actor,
-                "action": e.action,
-                "job_id": e.job_id,
-                "document_id": e.document_id,
-                "outcome": e.outcome,
-                "details": json.loads(e.details),
-                "hash": e.hash,
-            }
-            for e in query.limit(limit)
-        ]
+    """Show audit events, oldest first (administrators)."""
+    api = _session(ctx).api
+    rows: list[dict] = []
+    after: int | None = 0
+    while after is not None and len(rows) < limit:
+        page = api.audit(after, min(1000, limit - len(rows)), job)
+        rows += [e.model_dump(mode="json") for e in page.events]
+        after = page.next_after
     if as_json:
         return emit(rows)
     table = Table("seq", "at", "actor", "action", "job", "document", "outcome")
@@ -600,6 +595,60 @@ def gateway(ctx: click.Context, port: int, host: str, allow_remote: bool, max_up
     serve(settings, address, sock, max_upload_mb * 2**20, ready)
 
 
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=8443, show_default=True, help="0: any free port."
+)
+@click.option(
+    "--cert", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="TLS certificate (PEM)."
+)
+@click.option(
+    "--key", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="TLS private key (PEM)."
+)
+@click.option(
+    "--allow-http",
+    is_flag=True,
+    help="Serve plain HTTP on a non-loopback address (only behind a proxy that terminates TLS).",
+)
+@click.option(
+    "--max-request-mb",
+    type=click.IntRange(1, 4096),
+    default=64,
+    show_default=True,
+    help="Largest request body.",
+)
+@click.pass_context
+def serve(
+    ctx: click.Context,
+    host: str,
+    port: int,
+    cert: Path | None,
+    key: Path | None,
+    allow_http: bool,
+    max_request_mb: int,
+) -> None:
+    """The service API: clients submit, follow, cancel and fetch their own jobs with signed requests; it
+    holds the database and broker credentials, which client machines then never see."""
+    settings = settings_of(ctx)
+    from pipeline.api.serve import ServeError, listen
+    from pipeline.api.serve import serve as run_server
+
+    if (cert is None) != (key is None):
+        raise UserError("give both --cert and --key (TLS), or neither")
+    try:
+        sock, address = listen(host, port, tls=cert is not None, allow_http=allow_http)
+    except ServeError as exc:
+        raise UserError(str(exc)) from None
+    _configure_logging(settings)
+
+    def ready(url: str) -> None:
+        click.echo(f"enclave serve: {url}")
+        sys.stdout.flush()
+
+    run_server(settings, sock, address, cert, key, max_request_mb * 2**20, ready)
+
+
 @cli.group()
 def db() -> None:
     """Database schema."""
@@ -660,29 +709,21 @@ def _db(settings: Settings):
     return database
 
 
-def _resolve(session, job: str) -> str:
-    """A job id from an id or a unique prefix of one."""
-    from pipeline.models import Job
+def _session(ctx: click.Context):
+    """The command's client session (this home's key, the service API), closed when the command ends."""
+    from pipeline.client import ClientSession
 
-    matches = [j for (j,) in session.query(Job.id).filter(Job.id.startswith(job.lower())).limit(2)]
-    if not matches:
-        raise UserError(f"no job {job}")
-    if len(matches) > 1:
-        raise UserError(f"{job} matches several jobs; give more of the id")
-    return matches[0]
-
-
-def _service_actor(settings: Settings) -> str:
-    from pipeline import keys as k
-
-    try:
-        return k.load_public(settings.service_key_dir).fingerprint
-    except k.KeyFileError:
-        return "admin"
+    session = ClientSession(settings_of(ctx))
+    click.get_current_context().call_on_close(session.close)
+    return session
 
 
 def _when(value) -> str:
-    return value.isoformat(sep=" ", timespec="seconds") if value else ""
+    """A timestamp (a datetime, or ISO text from a JSON answer) to the second."""
+    if not value:
+        return ""
+    text = value if isinstance(value, str) else value.isoformat(timespec="seconds")
+    return text.replace("T", " ")[:19]
 
 
 def _safe_url(url: str) -> str:

@@ -1,4 +1,7 @@
-"""The workstation side: seal and submit documents, and open results. Plaintext stays in this process."""
+"""The workstation side: seal and submit documents, and open results, through the service API
+(`pipeline.api_client`). Plaintext stays in this process: what leaves it is sealed to the service (documents,
+parameters) or to this client (names), and results come back sealed to this client and signed by the service.
+"""
 
 from __future__ import annotations
 
@@ -14,19 +17,23 @@ from jobs import make_kind
 from jobs.base import INVALID_REQUEST
 from jobs.openai_batch import BadLine, BatchFileError, read_batch_file
 from jobs.repository import walk_repository
-from pipeline import audit, envelope, keys, store, upload
-from pipeline.celery_app import make_celery
-from pipeline.db import Database
-from pipeline.models import Document, Job, Result
+from pipeline import api_client, envelope, keys
+from pipeline.canonical import canonical_json
+from pipeline.errors import UserError
+from pipeline.reasons import bounded
 from pipeline.settings import Settings
-from pipeline.tasks import dispatch_shard
+from pipeline.status import DocState
+from pipeline.wire import messages as m
 
 EMPTY_SHA256 = envelope.sha256_hex(b"")
 NAME_NOT_UNICODE = "the file name is not valid UTF-8; rename the file and submit it again"
 MAX_JOB_NAME = 200  # characters of `--name`
+CHUNK_ROWS = 500  # documents per upload request
+CHUNK_BYTES = 16_000_000  # sealed bytes per upload request (at most half the service's request bound)
+RESULTS_PAGE = 200  # results per request
 
 
-class ClientError(ValueError):
+class ClientError(UserError, ValueError):
     """A user error on the client side (bad path, unknown job, job of another client...)."""
 
 
@@ -56,20 +63,26 @@ class NewDocument:
 
 
 class ClientSession:
-    """A client identity, the service's public key and the database."""
+    """A client identity, the service's public key and a connection to the service API."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.identity = keys.load_identity(settings.client_key_dir, settings.passphrase("client"))
-        self.service = keys.load_public(settings.service_key_dir)
-        self.db = Database(settings.database_url)
+        try:
+            self.service = keys.load_public(settings.service_key_dir)
+        except keys.KeyFileError:
+            raise ClientError(
+                f"no service public key in {settings.service_key_dir}: get the service's public.json from "
+                "its administrator and run `enclave keys import-service FILE`"
+            ) from None
+        self.api = api_client.connect(settings, self.identity)
 
     @property
     def fingerprint(self) -> str:
         return self.identity.public.fingerprint
 
     def close(self) -> None:
-        self.db.dispose()
+        self.api.close()
 
 
 def collect_files(paths: list[Path], kind: str) -> tuple[list[tuple[str, Path]], list[tuple[str, str]]]:
@@ -156,7 +169,7 @@ def submit_openai_batch(
 
 def _batch_document(line) -> NewDocument:
     if isinstance(line, BadLine):
-        reason = store.bounded(f"{INVALID_REQUEST}: line {line.line_no}: {line.problem}")
+        reason = bounded(f"{INVALID_REQUEST}: line {line.line_no}: {line.problem}")
         return NewDocument(line.custom_id or f"line {line.line_no}", None, len(line.raw), reason)
     return NewDocument(line.custom_id, line.raw, len(line.raw))
 
@@ -181,7 +194,8 @@ def _store(
     job_id: str | None,
     announce: Callable[[str], None] | None,
 ) -> Submitted:
-    """Claim the job id, store the documents chunk by chunk, then queue the job and tell the workers."""
+    """Claim the job id, send the documents chunk by chunk, then queue the job (the service tells the
+    workers)."""
     job_id = _checked_job_id(job_id)
     client_key, service_key = session.identity.public.x25519, session.service.x25519
     try:
@@ -190,12 +204,14 @@ def _store(
     except (UnicodeEncodeError, ValueError, TypeError):
         raise ClientError("the job's name or parameters are not valid Unicode text") from None
     try:
-        claimed = upload.begin(session.db, job_id, session.fingerprint, kind, sealed_name, priority)
-        if isinstance(claimed, Job):
-            return Submitted(job_id, claimed.kind, claimed.total, existing=True)
+        claim = session.api.begin(
+            m.BeginUpload(job_id=job_id, kind=kind, sealed_name=sealed_name, priority=priority)
+        )
+        if claim.state == "existing":
+            return Submitted(job_id, claim.job.kind, claim.job.total, existing=True)
         if announce is not None:
             announce(job_id)
-        entries, rejected, shards = _upload(session, claimed, documents)
+        entries, rejected = _upload(session, job_id, claim.token, documents)
         manifest = {
             "version": envelope.MANIFEST_VERSION,
             "job_id": job_id,
@@ -206,56 +222,88 @@ def _store(
             "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         }
         signature = envelope.sign_manifest(manifest, session.identity)
-        details = {"kind": kind, "documents": len(entries), "rejected_at_submit": len(rejected)}
-        claimed.finish(
-            envelope.canonical_json(manifest).decode(), signature, sealed_params, len(entries), details
+        finish = m.FinishUpload(
+            token=claim.token,
+            manifest=canonical_json(manifest).decode(),
+            signature=signature,
+            sealed_params=sealed_params,
         )
-    except upload.UploadError as exc:
-        raise ClientError(str(exc)) from None
-    dispatched = _dispatch(session.settings, job_id, sorted(shards), priority)
-    return Submitted(job_id, kind, len(entries), rejected, dispatched=dispatched)
+        submitted = session.api.finish(job_id, finish)
+    except api_client.ServiceError as exc:
+        if exc.status == 409:  # the id is another client's, another kind's, or its upload was taken over
+            raise ClientError(exc.reason) from None
+        raise
+    return Submitted(job_id, kind, submitted.documents, rejected, dispatched=submitted.dispatched)
 
 
 def _upload(
-    session: ClientSession, target: upload.Upload, documents: Iterable[NewDocument]
-) -> tuple[list[dict], list[tuple[str, str]], set[int]]:
-    """Seal and insert every document; returns the manifest entries, the refused (name, reason) pairs and
-    the shards that have work. Sealed bytes are held for one chunk at a time."""
-    entries, rejected, shards = [], [], set()
-    chunk, chunk_bytes = [], 0
+    session: ClientSession, job_id: str, token: str, documents: Iterable[NewDocument]
+) -> tuple[list[dict], list[tuple[str, str]]]:
+    """Seal and send every document; returns the manifest entries and the refused (name, reason) pairs.
+    Sealed bytes are held for one chunk at a time; a chunk stays within half the service's request bound."""
+    bound = session.api.health().max_request_bytes
+    chunk_bytes_limit = min(CHUNK_BYTES, bound // 2)
+    entries, rejected = [], []
+    chunk: list[m.DocumentRow] = []
+    chunk_bytes = 0
+
+    def send() -> None:
+        try:
+            session.api.add_documents(job_id, m.DocumentChunk(token=token, documents=chunk))
+        except api_client.ServiceError as exc:
+            if exc.status != 413:
+                raise
+            raise ClientError(
+                f"the service takes requests of at most {bound} bytes and document {chunk[0].index} alone is "
+                f"larger once sealed (413 too_large): leave it out, or ask for a larger --max-request-mb"
+            ) from None
+
     for index, doc in enumerate(documents):
-        row = _sealed_row(session, target.job_id, index, doc)
-        entries.append({"id": row["id"], "sha256": row["sha256"]})
-        if row["status"] == "failed":
-            rejected.append((_printable(doc.name), row["error"]))
-        else:
-            shards.add(row["shard"])
-        chunk.append(row)
-        chunk_bytes += len(row["sealed"] or b"")
-        if len(chunk) >= upload.CHUNK_ROWS or chunk_bytes >= upload.CHUNK_BYTES:
-            target.insert(chunk)
+        row = _sealed_row(session, job_id, index, doc)
+        entries.append({"id": row.id, "sha256": row.sha256})
+        if row.sealed is None:
+            rejected.append((_printable(doc.name), row.error))
+        size = len(row.sealed or b"") + len(row.sealed_name)
+        if chunk and (len(chunk) >= CHUNK_ROWS or chunk_bytes + size > chunk_bytes_limit):
+            send()
             chunk, chunk_bytes = [], 0
+        chunk.append(row)
+        chunk_bytes += size
     if chunk:
-        target.insert(chunk)
-    return entries, rejected, shards
+        send()
+    return entries, rejected
 
 
-def _sealed_row(session: ClientSession, job_id: str, index: int, doc: NewDocument) -> dict:
-    """The `documents` row of one document: its content sealed to the service, its name to this client.
+def _sealed_row(session: ClientSession, job_id: str, index: int, doc: NewDocument) -> m.DocumentRow:
+    """One document as the service stores it: its content sealed to the service, its name to this client,
+    its size rounded up to a power of two.
 
     A document that cannot be sent (too large, a name that is not Unicode) fails alone, with a content-free
-    reason, and takes no shard."""
+    reason."""
     doc_id = str(uuid.uuid4())
     sealed_name = envelope.seal_name(_printable(doc.name), session.identity.public.x25519, job_id, doc_id)
     error = doc.error if doc.error is not None or _is_unicode(doc.name) else NAME_NOT_UNICODE
-    row = {"id": doc_id, "job_id": job_id, "index": index, "sealed_name": sealed_name, "size": doc.size}
+    size = size_bucket(doc.size)
     if error is not None or doc.data is None:
-        return row | {"shard": -1, "sealed": None, "sha256": EMPTY_SHA256, "status": "failed", "error": error}
+        reason = bounded(error) if error else "not sent"
+        return m.DocumentRow(
+            id=doc_id, index=index, sealed_name=sealed_name, sha256=EMPTY_SHA256, size=size, error=reason
+        )
     packed = envelope.pack_document(doc.name, doc.data)
     sealed = envelope.seal_document(packed, session.service.x25519, job_id, doc_id)
-    digest = envelope.sha256_hex(sealed)
-    shard = index // session.settings.limits.shard_size
-    return row | {"shard": shard, "sealed": sealed, "sha256": digest, "status": "pending", "error": None}
+    return m.DocumentRow(
+        id=doc_id,
+        index=index,
+        sealed_name=sealed_name,
+        sealed=sealed,
+        sha256=envelope.sha256_hex(sealed),
+        size=size,
+    )
+
+
+def size_bucket(size: int) -> int:
+    """`size` rounded up to a power of two (0 stays 0): the service sees sizes by bucket only."""
+    return 0 if size <= 0 else 1 << (size - 1).bit_length()
 
 
 def _is_unicode(name: str) -> bool:
@@ -283,117 +331,107 @@ def _checked_job_id(job_id: str | None) -> str:
         raise ClientError(f"a job id must be a UUID, such as {new_job_id()}") from None
 
 
-def _dispatch(settings: Settings, job_id: str, shards: list[int], priority: int) -> bool:
-    """Tell the workers; if the broker is unreachable the job stays stored and the sweeper dispatches it."""
-    if not shards:
-        return True
-    app = make_celery(settings)
-    app.conf.task_publish_retry_policy = {"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5}
+def job_status(session: ClientSession, job_id: str) -> m.JobInfo:
+    """This client's job `job_id` (or a unique prefix of its id): its status and document counts.
+    `UnknownJob` when there is no such job, or it is another client's."""
     try:
-        for shard in shards:
-            dispatch_shard(app, job_id, shard, priority)
-    except Exception:
-        return False
-    finally:
-        app.close()
-    return True
+        return session.api.job(job_id)
+    except api_client.NotFound as exc:
+        raise UnknownJob(exc.reason) from None
 
 
-def job_status(session: ClientSession, job_id: str) -> store.JobStatus:
-    """This client's job `job_id`: its status and document counts. `UnknownJob` when there is no such job,
-    or it is another client's."""
-    with session.db.transaction() as s:
-        _own_job(s, session, job_id)
-        return store.job_status(s, job_id)
+def list_jobs(session: ClientSession, limit: int = 100) -> list[m.JobInfo]:
+    """This client's jobs, newest first."""
+    return session.api.jobs(limit).jobs
 
 
 def cancel_job(session: ClientSession, job_id: str) -> bool:
     """Cancel this client's queued or running job (documents already finished keep their results); False
     when the job had already ended. `UnknownJob` when there is no such job, or it is another client's."""
-    with session.db.transaction() as s:
-        _own_job(s, session, job_id)
-        return store.cancel_job(s, job_id, session.fingerprint)
+    return cancel(session, job_id).cancelled
 
 
-def _own_job(s, session: ClientSession, job_id: str) -> Job:
-    job = s.get(Job, job_id)
-    if job is None:
-        raise UnknownJob(f"no job {job_id}")
-    if job.client_fingerprint != session.fingerprint:
-        raise UnknownJob(f"job {job_id} was submitted by another client; only its submitter can see it")
-    return job
+def cancel(session: ClientSession, job_id: str) -> m.Cancelled:
+    """`cancel_job`, with the job's state after it."""
+    try:
+        return session.api.cancel(job_id)
+    except api_client.NotFound as exc:
+        raise UnknownJob(exc.reason) from None
+    except api_client.ServiceError as exc:
+        if exc.status == 409:
+            raise ClientError(exc.reason) from None
+        raise
 
 
-def fetch_results(session: ClientSession, job_id: str, partial: bool = False) -> tuple[Job, list[dict]]:
-    """Open the job's results with the client key: one record per document, in submission order.
+def iter_results(
+    session: ClientSession, job_id: str, partial: bool = False
+) -> tuple[m.JobInfo, Iterator[dict]]:
+    """The job (as of the first page) and its results opened with the client key, one record per document in
+    submission order, fetched a page at a time (neither side holds a large job whole).
 
     Each result must carry the service's signature over (job, document, hash of the sealed bytes, status),
     checked against the service key this client holds. A result that fails the check (forged, re-sealed,
     copied from another document, unsigned) is not opened: its record has status "refused" and an error
     naming the document; the other documents are opened as usual.
     """
-    with session.db.transaction() as s:
-        job = s.get(Job, job_id)
-        if job is None:
-            raise ClientError(f"no job {job_id}")
-        if job.client_fingerprint != session.fingerprint:
-            raise ClientError(f"job {job_id} was submitted by another client; only its submitter can open it")
-        if job.status == upload.UPLOADING:
-            raise ClientError(
-                f"job {job_id} is still uploading: its submit did not finish; submit it again with "
-                f"--job-id {job_id}"
-            )
-        if job.status in store.ACTIVE_JOB and not partial:
-            status = store.job_status(s, job_id)
-            raise ClientError(
-                f"job {job_id} is still {job.status} ({status.done + status.failed}/{status.total} documents "
-                "finished); wait for it, or pass --partial"
-            )
-        docs = s.query(Document).filter(Document.job_id == job_id).order_by(Document.index).all()
-        rows = {
-            r.document_id: (r.sealed, r.signature) for r in s.query(Result).filter(Result.job_id == job_id)
-        }
-        audit.append(
-            s,
-            actor=session.fingerprint,
-            action="results_fetched",
-            job_id=job_id,
-            details={"documents": len(docs), "results": len(rows)},
-        )
-    return job, [_open_record(session, job_id, doc, rows.get(doc.id)) for doc in docs]
+    try:
+        first = session.api.results_page(job_id, None, RESULTS_PAGE, partial)
+    except api_client.NotFound as exc:
+        raise UnknownJob(exc.reason) from None
+    except api_client.ServiceError as exc:
+        if exc.status == 409:  # still uploading, or still running without --partial
+            raise ClientError(exc.reason) from None
+        raise
+    job = first.job
+
+    def records() -> Iterator[dict]:
+        page = first
+        while True:
+            for row in page.results:
+                yield _open_record(session, job.job_id, row)
+            if page.next_after is None:
+                return
+            page = session.api.results_page(job.job_id, page.next_after, RESULTS_PAGE, partial)
+
+    return job, records()
 
 
-def _open_record(
-    session: ClientSession, job_id: str, doc: Document, row: tuple[bytes, bytes | None] | None
-) -> dict:
+def fetch_results(session: ClientSession, job_id: str, partial: bool = False) -> tuple[m.JobInfo, list[dict]]:
+    """`iter_results`, as a list."""
+    job, records = iter_results(session, job_id, partial)
+    return job, list(records)
+
+
+def _open_record(session: ClientSession, job_id: str, row: m.ResultRow) -> dict:
     """One document's record; status "refused" when its result is not the service's."""
     try:
-        path = envelope.open_name(doc.sealed_name, session.identity, job_id, doc.id)
+        path = envelope.open_name(row.sealed_name, session.identity, job_id, row.document_id)
     except envelope.EnvelopeError:
-        path = f"document {doc.index}"
-        return _refused(path, doc, "its sealed name cannot be opened (altered)")
-    record = {"document": path, "status": doc.status, "output": None, "error": doc.error}
-    if row is None:
-        if doc.status == "done":
-            return _refused(path, doc, "its result is missing")
-        code, sep, _ = (doc.error or "").partition(": ")
-        if doc.status == "failed" and sep and code == INVALID_REQUEST:  # a batch line refused at submit
+        path = f"document {row.index}"
+        return _refused(path, row, "its sealed name cannot be opened (altered)")
+    record = {"document": path, "status": row.status, "output": None, "error": row.error}
+    if row.sealed is None:
+        if row.status == DocState.DONE:
+            return _refused(path, row, "its result is missing")
+        code, sep, _ = (row.error or "").partition(": ")
+        if (
+            row.status == DocState.FAILED and sep and code == INVALID_REQUEST
+        ):  # a batch line refused at submit
             record["output"] = {"code": code}
         return record
-    sealed, signature = row
-    if signature is None:
-        return _refused(path, doc, "its result is not signed by the service")
-    statement = store.result_statement(job_id, doc.id, sealed, doc.status)
-    if not keys.verify_signature(session.service, statement, signature):
+    if row.signature is None:
+        return _refused(path, row, "its result is not signed by the service")
+    statement = envelope.result_statement(job_id, row.document_id, row.sealed, row.status)
+    if not keys.verify_signature(session.service, statement, row.signature):
         return _refused(
-            path, doc, "its result's signature does not verify (forged, altered or another document's)"
+            path, row, "its result's signature does not verify (forged, altered or another document's)"
         )
     try:
-        opened = json.loads(envelope.open_result(sealed, session.identity, job_id, doc.id))
+        opened = json.loads(envelope.open_result(row.sealed, session.identity, job_id, row.document_id))
     except (envelope.EnvelopeError, ValueError):
-        return _refused(path, doc, "its signed result cannot be opened with this client's key")
-    if not isinstance(opened, dict) or opened.get("status") != doc.status:
-        return _refused(path, doc, "its signed result does not match the document's status")
+        return _refused(path, row, "its signed result cannot be opened with this client's key")
+    if not isinstance(opened, dict) or opened.get("status") != row.status:
+        return _refused(path, row, "its signed result does not match the document's status")
     record |= {"status": opened["status"], "output": opened.get("output"), "error": opened.get("error")}
     for key in ("detail", "raw", "usage", "reasoning"):
         if opened.get(key) is not None:
@@ -401,9 +439,9 @@ def _open_record(
     return record
 
 
-def job_name(session: ClientSession, job: Job) -> str:
+def job_name(session: ClientSession, job: m.JobInfo) -> str:
     """The job's name, opened with this client's key ("" when it has none or it is not this client's)."""
-    return open_job_name(session.identity, job.id, job.sealed_name, job.name)
+    return open_job_name(session.identity, job.job_id, job.sealed_name, job.name)
 
 
 def open_job_name(identity: keys.Identity | None, job_id: str, sealed: bytes | None, legacy: str = "") -> str:
@@ -419,6 +457,6 @@ def open_job_name(identity: keys.Identity | None, job_id: str, sealed: bytes | N
         return ""
 
 
-def _refused(path: str, doc: Document, why: str) -> dict:
-    error = f"result of document {doc.index} ({path!r}) refused: {why}"
+def _refused(path: str, row: m.ResultRow, why: str) -> dict:
+    error = f"result of document {row.index} ({path!r}) refused: {why}"
     return {"document": path, "status": "refused", "output": None, "error": error}

@@ -66,7 +66,8 @@ def run_demo(keep: bool = False) -> int:
         for kind, job in jobs:
             console.print(
                 f"2. submitted {kind}: job {job.job_id[:8]}, {job.documents} documents sealed "
-                f"on the client ({len(job.skipped)} files skipped)"
+                f"on the client and sent through the service API, here in-process ({len(job.skipped)} files "
+                "skipped)"
             )
         console.print("3. worker: opening envelopes in memory, batching documents through the engine ...")
         t0 = time.perf_counter()

@@ -17,7 +17,6 @@ whose one-line message quotes nothing from the input.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import struct
 from typing import Any
@@ -28,6 +27,8 @@ from cryptography.hazmat.primitives.asymmetric import x25519
 
 from jobs.bounded_json import JSONInputError
 from jobs.bounded_json import loads as load_json
+from pipeline.canonical import canonical_json
+from pipeline.errors import UserError
 from pipeline.keys import Identity, PublicIdentity, verify_signature
 
 FORMAT_VERSION = "enclave/1"
@@ -42,11 +43,11 @@ MAX_ID_CHARS = 200
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
-class EnvelopeError(ValueError):
+class EnvelopeError(UserError, ValueError):
     """An envelope or document payload cannot be sealed or opened; never carries content or keys."""
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError, ValueError):
     """A job manifest is malformed or its signature does not verify."""
 
 
@@ -185,10 +186,21 @@ def unpack_document(payload: bytes) -> tuple[str, bytes]:
     return path, bytes(payload[end:])
 
 
-def canonical_json(obj: Any) -> bytes:
-    """Deterministic UTF-8 JSON (sorted keys, no spaces) for signing and hashing; no NaN or infinity."""
-    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    return text.encode("utf-8")
+RESULT_STATEMENT = "enclave/1 result"
+
+
+def result_statement(job_id: str, document_id: str, sealed_result: bytes, status: str) -> bytes:
+    """What the service signs for a result row and the client verifies: the job, the document, the SHA-256
+    of the sealed result bytes and the document's final status, in canonical JSON."""
+    return canonical_json(
+        {
+            "purpose": RESULT_STATEMENT,
+            "job_id": job_id,
+            "document_id": document_id,
+            "sha256": sha256_hex(sealed_result),
+            "status": status,
+        }
+    )
 
 
 def sign_manifest(manifest: dict[str, Any], client_identity: Identity) -> bytes:

@@ -14,6 +14,7 @@ from pipeline import audit, keys, migrate
 from pipeline.db import Database
 from pipeline.models import Client
 from pipeline.settings import Settings
+from pipeline.status import Role
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class InitReport:
     database_url: str
     service_fingerprint: str
     client_fingerprint: str
-    model: Path
+    model: Path | None  # None: not prepared (`--no-model`, an API or migration host)
     created: tuple[str, ...]
 
 
@@ -46,7 +47,9 @@ def ensure_model(settings: Settings) -> Path:
     return path
 
 
-def init(settings: Settings, client_name: str | None = None) -> InitReport:
+def init(settings: Settings, client_name: str | None = None, model: bool = True) -> InitReport:
+    """Make the home, migrate the database, create the service keys and this home's client identity (an
+    administrator on the allow-list) and, with `model`, the demo model a worker serves."""
     created: list[str] = []
     settings.home.mkdir(parents=True, exist_ok=True)
     os.chmod(settings.home, 0o700)
@@ -59,19 +62,20 @@ def init(settings: Settings, client_name: str | None = None) -> InitReport:
         service = _identity(settings.service_key_dir, settings.passphrase("service"), created, "service keys")
         client = _identity(settings.client_key_dir, settings.passphrase("client"), created, "client identity")
         name = client_name or _login_name()
-        with db.transaction() as s:
-            if s.get(Client, client.public.fingerprint) is None:
-                add_client(s, name, client.public, actor=service.public.fingerprint)
-                created.append("allow-list entry")
+        with db.transaction() as s:  # this home's own client administers its service
+            entry = s.get(Client, client.public.fingerprint)
+            if entry is None or entry.role != Role.ADMIN:
+                add_client(s, name, client.public, actor=service.public.fingerprint, role=Role.ADMIN)
+                created.append("allow-list entry (admin)")
     finally:
         db.dispose()
-    model = ensure_model(settings)
+    model_path = ensure_model(settings) if model else None
     return InitReport(
         settings.home,
         settings.database_url,
         service.public.fingerprint,
         client.public.fingerprint,
-        model,
+        model_path,
         tuple(created),
     )
 
@@ -93,8 +97,10 @@ def _identity(directory: Path, secret: bytes | None, created: list[str], label: 
     return identity
 
 
-def add_client(session, name: str, public: keys.PublicIdentity, actor: str) -> Client:
-    """Allow-list a client key (again, if it was revoked)."""
+def add_client(
+    session, name: str, public: keys.PublicIdentity, actor: str, role: str = Role.CLIENT
+) -> Client:
+    """Allow-list a client key with `role` (again, if it was revoked)."""
     client = session.get(Client, public.fingerprint)
     if client is None:
         client = Client(
@@ -102,12 +108,13 @@ def add_client(session, name: str, public: keys.PublicIdentity, actor: str) -> C
             name=name,
             x25519_public=public.x25519,
             ed25519_public=public.ed25519,
+            role=role,
         )
         session.add(client)
     else:
         client.revoked_at = None
+        client.role = role
     session.flush()
-    audit.append(
-        session, actor=actor, action="client_added", details={"client": public.fingerprint, "name": name}
-    )
+    details = {"client": public.fingerprint, "name": name, "role": str(role)}
+    audit.append(session, actor=actor, action=audit.CLIENT_ADDED, details=details)
     return client

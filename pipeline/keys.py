@@ -23,6 +23,7 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
 
+from pipeline.errors import UserError
 from pipeline.settings import PASSPHRASE_ENV  # named in the error for a protected key
 
 X25519_FILE = "x25519.pem"
@@ -33,7 +34,7 @@ _ENCRYPTED_PEM = b"-----BEGIN ENCRYPTED PRIVATE KEY-----"
 _RAW = serialization.Encoding.Raw, serialization.PublicFormat.Raw
 
 
-class KeyFileError(ValueError):
+class KeyFileError(UserError, ValueError):
     """A key or key file is missing, malformed, unreadable or unsafe; the message says what to do."""
 
 
@@ -158,6 +159,15 @@ def save_identity(
     _write_atomic(directory / PUBLIC_FILE, text.encode("utf-8"), 0o644)
 
 
+def save_public(public: PublicIdentity, directory: Path) -> None:
+    """Write `public` as `directory`/public.json (a service key imported by a client: nothing private)."""
+    directory = Path(directory)
+    if not directory.exists():
+        directory.mkdir(mode=0o700, parents=True)
+    text = json.dumps(public.to_json(), indent=2, sort_keys=True) + "\n"
+    _write_atomic(directory / PUBLIC_FILE, text.encode("utf-8"), 0o644)
+
+
 def _write_atomic(path: Path, data: bytes, mode: int) -> None:
     """Write to a fresh temp file created with `mode`, then rename over `path`: no partial or exposed file."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
@@ -216,16 +226,25 @@ def load_public(path: Path) -> PublicIdentity:
     if path.is_dir():
         path = path / PUBLIC_FILE
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise KeyFileError(
             f"no public key at {path}; run `enclave keys create` or ask for the file"
         ) from None
     except OSError as e:
         raise KeyFileError(f"cannot read public key {path}: {e.strerror}") from None
-    except (ValueError, UnicodeDecodeError):
+    except UnicodeDecodeError:
         raise KeyFileError(f"public key file {path} is not valid JSON") from None
+    return parse_public(text, f"public key file {path}")
+
+
+def parse_public(text: str, where: str) -> PublicIdentity:
+    """A public identity from the text of a `public.json`; `where` names its origin in errors."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise KeyFileError(f"{where} is not valid JSON") from None
     try:
         return PublicIdentity.from_json(data)
     except KeyFileError as e:
-        raise KeyFileError(f"public key file {path}: {e}") from None
+        raise KeyFileError(f"{where}: {e}") from None

@@ -8,6 +8,8 @@ from datetime import UTC, datetime
 from sqlalchemy import ForeignKey, Index, Integer, LargeBinary, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from pipeline.status import DocState, JobState, Role
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)  # stored naive, always UTC
@@ -15,15 +17,6 @@ def utcnow() -> datetime:
 
 class Base(DeclarativeBase):
     pass
-
-
-# Job status: uploading (the client is still storing documents; workers ignore the job) -> queued ->
-# running -> completed (every document done or failed) | cancelled | failed (the job itself could not run,
-# e.g. a forged manifest).
-JOB_STATUSES = ("uploading", "queued", "running", "completed", "cancelled", "failed")
-# Document status: pending -> leased -> done | failed; cancelled when its job is.
-DOC_STATUSES = ("pending", "leased", "done", "failed", "cancelled")
-TERMINAL_DOC = ("done", "failed", "cancelled")
 
 
 class Client(Base):
@@ -37,6 +30,8 @@ class Client(Base):
     ed25519_public: Mapped[bytes] = mapped_column(LargeBinary)  # manifests are signed with its private half
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+    # `client` submits and reads its own jobs; `admin` also manages the allow-list and reads the audit log.
+    role: Mapped[str] = mapped_column(String(16), default=Role.CLIENT, server_default=Role.CLIENT)
 
 
 class Job(Base):
@@ -49,7 +44,7 @@ class Job(Base):
     kind: Mapped[str] = mapped_column(String(40))
     client_fingerprint: Mapped[str] = mapped_column(ForeignKey("clients.fingerprint"))
     priority: Mapped[int] = mapped_column(Integer, default=0)
-    status: Mapped[str] = mapped_column(String(16), default="queued")
+    status: Mapped[str] = mapped_column(String(16), default=JobState.QUEUED)
     manifest: Mapped[str] = mapped_column(Text)  # canonical JSON: kind, params hash, document ids and hashes
     # The job's parameters, sealed to the service; the manifest signs their SHA-256 (manifest version 2).
     sealed_params: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)
@@ -81,7 +76,7 @@ class Document(Base):
     sealed_name: Mapped[bytes] = mapped_column(LargeBinary)  # the document's path, sealed to the submitter
     sha256: Mapped[str] = mapped_column(String(64))  # of the sealed bytes, as signed in the manifest
     size: Mapped[int] = mapped_column(Integer, default=0)  # plaintext bytes, as the client measured them
-    status: Mapped[str] = mapped_column(String(16), default="pending")
+    status: Mapped[str] = mapped_column(String(16), default=DocState.PENDING)
     attempts: Mapped[int] = mapped_column(Integer, default=0)  # failures of this document (retried or final)
     # Leases that expired without a result: a worker died or hung while holding the document. Counted apart
     # from `attempts`, so crashes do not burn the document's retries (store.MAX_LEASE_EXPIRIES bounds them).
@@ -136,3 +131,13 @@ class AuditCheckpoint(Base):
     at: Mapped[str] = mapped_column(String(32))
     key_fingerprint: Mapped[str] = mapped_column(String(64))
     signature: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class RequestNonce(Base):
+    """A signed API request's nonce, kept while its timestamp is inside the window: a replay finds it here."""
+
+    __tablename__ = "request_nonces"
+
+    nonce: Mapped[str] = mapped_column(String(64), primary_key=True)
+    client: Mapped[str] = mapped_column(String(64))
+    seen_at: Mapped[datetime] = mapped_column(index=True)

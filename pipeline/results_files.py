@@ -1,11 +1,15 @@
 """Write opened results on the client: results.jsonl always, report.md for code review, output.jsonl (the
-OpenAI batch output format) for OpenAI batches. Files are created 0600: they hold plaintext."""
+OpenAI batch output format) for OpenAI batches. Files are created 0600: they hold plaintext. Records are
+written as they come (a page of results at a time), so a large job is never held whole; only the code-review
+report, which sorts its findings, keeps its records."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TextIO
 
 from jobs.code_review import build_report
 from jobs.openai_batch import output_line
@@ -13,26 +17,36 @@ from jobs.openai_batch import output_line
 REFUSED_CODE = "result_refused"  # the result did not carry the service's valid signature
 
 
-def write_results(out_dir: Path, kind: str, records: list[dict]) -> list[Path]:
+def write_results(out_dir: Path, kind: str, records: Iterable[dict]) -> list[Path]:
     """Write the records; a record's `detail` (the full reason of a failure, possibly quoting the document)
     goes into the files too, since they are the submitter's plaintext."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    lines = [
-        {"document": r["document"], "status": r["status"], "output": r["output"], "error": r["error"]}
-        | {key: r[key] for key in ("detail", "raw", "reasoning") if key in r}
-        for r in records
-    ]
-    files = [
-        _write(out_dir / "results.jsonl", "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
-    ]
+    files = [out_dir / "results.jsonl"] + ([out_dir / "output.jsonl"] if kind == "chat" else [])
+    reviewed: list[tuple[str, dict]] = []
+    handles = [_open(path) for path in files]
+    try:
+        for r in records:
+            line = {
+                "document": r["document"],
+                "status": r["status"],
+                "output": r["output"],
+                "error": r["error"],
+            }
+            line |= {key: r[key] for key in ("detail", "raw", "reasoning") if key in r}
+            handles[0].write(json.dumps(line, ensure_ascii=False) + "\n")
+            if kind == "chat":
+                batch = output_line(r["document"], _batch_record(r))
+                handles[1].write(json.dumps(batch, ensure_ascii=False) + "\n")
+            if kind == "code-review":
+                reviewed.append((r["document"], r))
+    finally:
+        for handle in handles:
+            handle.close()
     if kind == "code-review":
-        report = build_report([(r["document"], r) for r in records])
-        files.append(_write(out_dir / "report.md", report))
-    if kind == "chat":
-        batch = [output_line(r["document"], _batch_record(r)) for r in records]
-        files.append(
-            _write(out_dir / "output.jsonl", "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in batch))
-        )
+        report = _open(out_dir / "report.md")
+        with report:
+            report.write(build_report(reviewed))
+        files.insert(1, out_dir / "report.md")
     return files
 
 
@@ -43,9 +57,7 @@ def _batch_record(record: dict) -> dict:
     return record
 
 
-def _write(path: Path, text: str) -> Path:
+def _open(path: Path) -> TextIO:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     # backslashreplace: a lone surrogate in a sealed record is written as its JSON escape, not a crash
-    with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as f:
-        f.write(text)
-    return path
+    return os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace")

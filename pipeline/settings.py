@@ -27,12 +27,13 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
 from engine.options import EngineOptions, OptionError, OptionField
+from pipeline.errors import UserError
 
 MAX_TOML_BYTES = 64 << 10
 _CHECKED = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class SettingsError(ValueError):
+class SettingsError(UserError, ValueError):
     """A setting is malformed; the message is one line naming it."""
 
 
@@ -131,6 +132,17 @@ class Settings:
         accepts="a URL such as redis://host:6379/0",
         min_length=1,
     )
+    service_url: str | None = setting(
+        "the service API (`enclave serve`) the client commands call, with this home's client key; unset: "
+        "the same API runs inside each command, on this home's database and broker",
+        None,
+        accepts="a URL such as https://enclave.example:8443",
+        min_length=1,
+    )
+    service_ca: Path | None = setting(
+        "CA certificate (PEM) the client trusts for an https service URL; unset: the system's trust store",
+        None,
+    )
     model: Path | None = setting(  # None: the demo model, written into the home on first use
         "checkpoint directory the workers serve; unset: the random demo model, written into the home", None
     )
@@ -179,6 +191,13 @@ class Settings:
             raise ValueError("not a URL")
         return value
 
+    @field_validator("service_url")
+    @classmethod
+    def _service_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("not an http(s) URL")
+        return value.rstrip("/") if value else value
+
     @field_validator("migrations")
     @classmethod
     def _migrations(cls, value: Path | None) -> Path | None:
@@ -200,7 +219,7 @@ class Settings:
 
 
 # Settings fields from enclave.toml's top level or ENCLAVE_<NAME>.
-_TOP = ("database_url", "broker_url", "model", "device", "dtype")
+_TOP = ("database_url", "broker_url", "service_url", "service_ca", "model", "device", "dtype")
 # enclave.toml's tables, each a class whose fields are its keys (and ENCLAVE_<KEY>).
 _TABLES: dict[str, type] = {"limits": Limits}  # and [engine]: engine_fields()
 # The variables holding the passphrases of a home's `service/` and `client/` key files.
@@ -211,7 +230,11 @@ _ENV_ONLY = {
     **{f"{who}_passphrase": var for who, var in PASSPHRASE_ENV.items()},
     "migrations": "ENCLAVE_MIGRATIONS",
 }
-_UNECHOED = ("database_url", "broker_url")  # URLs may hold passwords (and passphrases are repr=False)
+_UNECHOED = (
+    "database_url",
+    "broker_url",
+    "service_url",
+)  # URLs may hold passwords (and passphrases are repr=False)
 
 
 def home_of(given: Path | None = None, env: Mapping[str, str] | None = None) -> Path:
@@ -238,7 +261,7 @@ def load_settings(env: Mapping[str, str] | None = None, home: Path | None = None
     for name, var in _ENV_ONLY.items():
         if name != "home" and env.get(var):
             values[name], sources[name] = env[var], var
-    for name in ("model", "migrations"):
+    for name in ("model", "migrations", "service_ca"):
         if isinstance(values.get(name), str):
             values[name] = Path(values[name]).expanduser()
     values |= {"home": home, "limits": limits, "engine": engine}

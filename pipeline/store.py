@@ -15,115 +15,27 @@ content-free already (codes, JSON paths, offsets, sizes, counts).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from sqlalchemy import and_, case, func, insert, not_, or_, select, update
 from sqlalchemy.orm import Session
 
-from pipeline import audit, envelope
-from pipeline.models import TERMINAL_DOC, Document, Job, Result, utcnow
+from pipeline import audit
+from pipeline.envelope import result_statement  # noqa: F401 (the worker signs it, the client checks it)
+from pipeline.models import Document, Job, Result, utcnow
+from pipeline.reasons import MAX_REASON, bounded  # noqa: F401 (store.bounded, store.MAX_REASON)
+from pipeline.status import ACTIVE_JOB, OPEN_DOC, TERMINAL_DOC, DocState, JobState
 
-ACTIVE_JOB = ("queued", "running")
 MAX_LEASE_EXPIRIES = 10
-MAX_REASON = 160  # well under audit.MAX_STRING, with room for a prefix
 WORKER_CRASHED = "worker_crashed"
-RESULT_STATEMENT = "enclave/1 result"
 
 
-def bounded(reason: str | None, limit: int = MAX_REASON) -> str | None:
-    """`reason` clipped to `limit` characters (an ellipsis marks the cut)."""
-    if reason is None or len(reason) <= limit:
-        return reason
-    return reason[: limit - 3] + "..."
-
-
-def result_statement(job_id: str, document_id: str, sealed_result: bytes, status: str) -> bytes:
-    """What the service signs for a result row and the client verifies: the job, the document, the SHA-256
-    of the sealed result bytes and the document's final status, in canonical JSON."""
-    return envelope.canonical_json(
-        {
-            "purpose": RESULT_STATEMENT,
-            "job_id": job_id,
-            "document_id": document_id,
-            "sha256": envelope.sha256_hex(sealed_result),
-            "status": status,
-        }
-    )
-
-
-@dataclass(frozen=True)
-class JobStatus:
-    """A job's state and document counts, as `enclave status` reports them. `name` is a job's name in clear
-    only for jobs from before names were sealed; the client opens `sealed_name` with its key."""
-
-    job_id: str
-    name: str
-    kind: str
-    status: str
-    priority: int
-    total: int
-    counts: dict[str, int] = field(default_factory=dict)
-    created_at: datetime | None = None
-    finished_at: datetime | None = None
-    error: str | None = None
-    sealed_name: bytes | None = None
-
-    @property
-    def done(self) -> int:
-        return self.counts.get("done", 0)
-
-    @property
-    def failed(self) -> int:
-        return self.counts.get("failed", 0)
-
-    def as_json(self) -> dict:
-        return {
-            "job_id": self.job_id,
-            "name": self.name,
-            "kind": self.kind,
-            "status": self.status,
-            "priority": self.priority,
-            "total": self.total,
-            "done": self.done,
-            "failed": self.failed,
-            "pending": self.counts.get("pending", 0) + self.counts.get("leased", 0),
-            "cancelled": self.counts.get("cancelled", 0),
-            "created_at": _iso(self.created_at),
-            "finished_at": _iso(self.finished_at),
-            "error": self.error,
-        }
-
-
-def _iso(value: datetime | None) -> str | None:
-    return value.isoformat(timespec="seconds") + "Z" if value else None
-
-
-def job_status(session: Session, job_id: str) -> JobStatus | None:
-    job = session.get(Job, job_id)
-    if job is None:
-        return None
+def document_counts(session: Session, job_id: str) -> dict[str, int]:
+    """The job's documents by status: {"done": 3, "pending": 1, ...} (statuses with none are absent)."""
     rows = session.execute(
         select(Document.status, func.count()).where(Document.job_id == job_id).group_by(Document.status)
     ).all()
-    return JobStatus(
-        job.id,
-        job.name,
-        job.kind,
-        job.status,
-        job.priority,
-        job.total,
-        dict(rows),
-        job.created_at,
-        job.finished_at,
-        job.error,
-        job.sealed_name,
-    )
-
-
-def list_jobs(session: Session, limit: int = 100) -> list[JobStatus]:
-    ids = session.scalars(select(Job.id).order_by(Job.created_at.desc()).limit(limit)).all()
-    return [s for i in ids if (s := job_status(session, i)) is not None]
+    return {str(status): n for status, n in rows}
 
 
 def lease(
@@ -142,12 +54,12 @@ def lease(
     and must be failed by the caller (`give_up`).
     """
     now = utcnow()
-    expired = and_(Document.status == "leased", Document.lease_until < now)
+    expired = and_(Document.status == DocState.LEASED, Document.lease_until < now)
     available = and_(
-        Document.job_id == job_id, Document.shard == shard, or_(Document.status == "pending", expired)
+        Document.job_id == job_id, Document.shard == shard, or_(Document.status == DocState.PENDING, expired)
     )
     # SET and WHERE both see the row as it was: status "leased" here means an expired lease taken over.
-    expiries = Document.lease_expiries + case((Document.status == "leased", 1), else_=0)
+    expiries = Document.lease_expiries + case((Document.status == DocState.LEASED, 1), else_=0)
     leasable = and_(Document.attempts < max_attempts, expiries < max_lease_expiries)
     # A concurrent worker's UPDATE of the same rows waits for this one, then re-checks the WHERE clause and
     # finds them leased: each document goes to exactly one lease holder.
@@ -155,7 +67,7 @@ def lease(
         update(Document)
         .where(available, leasable)
         .values(
-            status="leased",
+            status=DocState.LEASED,
             lease_owner=owner,
             lease_until=now + timedelta(seconds=lease_seconds),
             lease_expiries=expiries,
@@ -172,7 +84,7 @@ def give_up(session: Session, doc: Document, max_attempts: int, actor: str) -> N
     if doc.attempts >= max_attempts:
         reason = f"gave up after {doc.attempts} failed attempts; the last: {doc.error or 'unknown'}"
     else:
-        expiries = doc.lease_expiries + (doc.status == "leased")
+        expiries = doc.lease_expiries + (doc.status == DocState.LEASED)
         reason = (
             f"{WORKER_CRASHED}: its lease expired {expiries} times without a result "
             "(a worker died or hung while processing it)"
@@ -184,11 +96,11 @@ def start_job(session: Session, job_id: str, actor: str) -> None:
     """queued -> running, once, with its audit event."""
     started = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.status == "queued")
-        .values(status="running", started_at=utcnow())
+        .where(Job.id == job_id, Job.status == JobState.QUEUED)
+        .values(status=JobState.RUNNING, started_at=utcnow())
     ).rowcount
     if started:
-        audit.append(session, actor=actor, action="started", job_id=job_id)
+        audit.append(session, actor=actor, action=audit.STARTED, job_id=job_id)
 
 
 def finish_document(
@@ -210,17 +122,17 @@ def finish_document(
     by someone else or cancelled. With `complete`, also completes the job when this was its last document
     (pass False when finishing several documents in one transaction, then call complete_job_if_finished).
     """
-    if status not in ("done", "failed"):
+    if status not in (DocState.DONE, DocState.FAILED):
         raise ValueError(f"finish_document status must be done or failed, got {status!r}")
     error = bounded(error)
     job_id = session.scalars(
         update(Document)
-        .where(Document.id == doc_id, Document.status == "leased", Document.lease_owner == owner)
+        .where(Document.id == doc_id, Document.status == DocState.LEASED, Document.lease_owner == owner)
         .values(
             status=status,
             error=error,
             lease_until=None,
-            attempts=Document.attempts + (1 if status == "failed" else 0),
+            attempts=Document.attempts + (1 if status == DocState.FAILED else 0),
         )
         .returning(Document.job_id)
     ).first()
@@ -232,14 +144,14 @@ def finish_document(
                 document_id=doc_id, job_id=job_id, sealed=sealed_result, signature=signature
             )
         )
-    action = "document_done" if status == "done" else "document_failed"
+    action = audit.DOCUMENT_DONE if status == DocState.DONE else audit.DOCUMENT_FAILED
     audit.append(
         session,
         actor=actor,
         action=action,
         job_id=job_id,
         document_id=doc_id,
-        outcome="ok" if status == "done" else "error",
+        outcome="ok" if status == DocState.DONE else "error",
         details={"error": error, **(details or {})},
     )
     if complete:
@@ -252,8 +164,8 @@ def fail_unopened(session: Session, doc: Document, error: str, actor: str) -> No
     error = bounded(error)
     changed = session.execute(
         update(Document)
-        .where(Document.id == doc.id, Document.status.in_(("pending", "leased")))
-        .values(status="failed", error=error, lease_until=None)
+        .where(Document.id == doc.id, Document.status.in_(OPEN_DOC))
+        .values(status=DocState.FAILED, error=error, lease_until=None)
     ).rowcount
     if changed:
         audit.append(
@@ -273,9 +185,9 @@ def release(session: Session, doc_id: str, owner: str, error: str) -> None:
     retries until `max_attempts`."""
     session.execute(
         update(Document)
-        .where(Document.id == doc_id, Document.status == "leased", Document.lease_owner == owner)
+        .where(Document.id == doc_id, Document.status == DocState.LEASED, Document.lease_owner == owner)
         .values(
-            status="pending",
+            status=DocState.PENDING,
             error=bounded(error),
             attempts=Document.attempts + 1,
             lease_owner=None,
@@ -291,7 +203,7 @@ def complete_job_if_finished(session: Session, job_id: str, actor: str) -> bool:
     completed = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.status.in_(ACTIVE_JOB), ~open_docs.exists())
-        .values(status="completed", finished_at=utcnow())
+        .values(status=JobState.COMPLETED, finished_at=utcnow())
     ).rowcount
     if completed:
         counts = dict(
@@ -301,7 +213,7 @@ def complete_job_if_finished(session: Session, job_id: str, actor: str) -> bool:
                 .group_by(Document.status)
             ).all()
         )
-        audit.append(session, actor=actor, action="completed", job_id=job_id, details=counts)
+        audit.append(session, actor=actor, action=audit.COMPLETED, job_id=job_id, details=counts)
     return bool(completed)
 
 
@@ -310,16 +222,18 @@ def cancel_job(session: Session, job_id: str, actor: str) -> bool:
     cancelled = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.status.in_(ACTIVE_JOB))
-        .values(status="cancelled", finished_at=utcnow())
+        .values(status=JobState.CANCELLED, finished_at=utcnow())
     ).rowcount
     if not cancelled:
         return False
     n = session.execute(
         update(Document)
-        .where(Document.job_id == job_id, Document.status.in_(("pending", "leased")))
-        .values(status="cancelled", lease_owner=None, lease_until=None)
+        .where(Document.job_id == job_id, Document.status.in_(OPEN_DOC))
+        .values(status=DocState.CANCELLED, lease_owner=None, lease_until=None)
     ).rowcount
-    audit.append(session, actor=actor, action="cancelled", job_id=job_id, details={"documents_cancelled": n})
+    audit.append(
+        session, actor=actor, action=audit.CANCELLED, job_id=job_id, details={"documents_cancelled": n}
+    )
     return True
 
 
@@ -329,17 +243,22 @@ def fail_job(session: Session, job_id: str, reason: str, actor: str) -> bool:
     failed = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.status.in_(ACTIVE_JOB))
-        .values(status="failed", error=reason, finished_at=utcnow())
+        .values(status=JobState.FAILED, error=reason, finished_at=utcnow())
     ).rowcount
     if not failed:
         return False
     session.execute(
         update(Document)
-        .where(Document.job_id == job_id, Document.status.in_(("pending", "leased")))
-        .values(status="failed", error=f"job rejected: {reason}", lease_owner=None, lease_until=None)
+        .where(Document.job_id == job_id, Document.status.in_(OPEN_DOC))
+        .values(status=DocState.FAILED, error=f"job rejected: {reason}", lease_owner=None, lease_until=None)
     )
     audit.append(
-        session, actor=actor, action="rejected", job_id=job_id, outcome="error", details={"reason": reason}
+        session,
+        actor=actor,
+        action=audit.REJECTED,
+        job_id=job_id,
+        outcome="error",
+        details={"reason": reason},
     )
     return True
 
@@ -355,9 +274,9 @@ def shards_to_dispatch(session: Session, lease_seconds: float) -> list[tuple[str
         .where(Job.status.in_(ACTIVE_JOB))
         .where(
             or_(
-                and_(Document.status == "leased", Document.lease_until < now),
+                and_(Document.status == DocState.LEASED, Document.lease_until < now),
                 and_(
-                    Document.status == "pending",
+                    Document.status == DocState.PENDING,
                     or_(Document.dispatched_at.is_(None), Document.dispatched_at < stale),
                 ),
             )
@@ -371,7 +290,7 @@ def shards_to_dispatch(session: Session, lease_seconds: float) -> list[tuple[str
 def mark_dispatched(session: Session, job_id: str, shard: int) -> None:
     session.execute(
         update(Document)
-        .where(Document.job_id == job_id, Document.shard == shard, Document.status.in_(("pending", "leased")))
+        .where(Document.job_id == job_id, Document.shard == shard, Document.status.in_(OPEN_DOC))
         .values(dispatched_at=utcnow())
     )
 
@@ -383,7 +302,7 @@ def has_open_work(session: Session) -> bool:
             select(func.count())
             .select_from(Document)
             .join(Job, Job.id == Document.job_id)
-            .where(Job.status.in_(ACTIVE_JOB), Document.status.in_(("pending", "leased")))
+            .where(Job.status.in_(ACTIVE_JOB), Document.status.in_(OPEN_DOC))
         )
         > 0
     )

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from celery import Celery, shared_task, signals
+from celery import shared_task, signals
 
-PROCESS_SHARD = "enclave.process_shard"
+from pipeline.dispatch import PROCESS_SHARD, dispatch_shard
+
+__all__ = ["PROCESS_SHARD", "dispatch_shard", "process_shard"]
 
 
 @shared_task(name=PROCESS_SHARD, bind=True, acks_late=True, ignore_result=True)
@@ -13,15 +15,6 @@ def process_shard(self, job_id: str, shard: int) -> None:
     from pipeline.worker import runtime_for
 
     runtime_for(self.app).process_shard(job_id, int(shard))
-
-
-def dispatch_shard(app: Celery, job_id: str, shard: int, priority: int = 0) -> None:
-    """Tell the workers there is work on (job, shard). Priority 0..9, higher first where the broker can
-    order messages (Redis); the embedded SQLite broker serves in submission order."""
-    priority = max(0, min(9, priority))
-    if str(app.conf.broker_url).startswith("redis"):
-        priority = 9 - priority  # Redis priority queues serve 0 first
-    app.send_task(PROCESS_SHARD, args=[job_id, shard], priority=priority)
 
 
 @signals.worker_ready.connect

@@ -18,6 +18,7 @@ stops with an error.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import delete, insert, select, update
@@ -26,31 +27,38 @@ from sqlalchemy.orm import Session
 
 from pipeline import audit, store
 from pipeline.db import Database
+from pipeline.errors import UserError
 from pipeline.models import Client, Document, Job, utcnow
+from pipeline.status import DocState, JobState
 
 CHUNK_ROWS = 500  # rows per insert transaction
 CHUNK_BYTES = 16_000_000  # sealed bytes per insert transaction, and so held in memory at once
-UPLOADING = "uploading"
+UPLOADING = JobState.UPLOADING
 
 
-class UploadError(ValueError):
+class UploadError(UserError, ValueError):
     """This submit cannot use the job id: not allow-listed, another client's job, or taken over."""
 
 
 class Upload:
     """One submit's hold on its `uploading` job: `insert` chunks of document rows, then `finish`."""
 
-    def __init__(self, db: Database, job_id: str, client: str, token: str) -> None:
+    def __init__(self, db: Database, job_id: str, client: str, token: str, resumed: bool = False) -> None:
         self.db = db
         self.job_id = job_id
         self.client = client
         self.token = token
+        self.resumed = resumed  # an interrupted upload was taken over (its rows were cleared)
 
-    def insert(self, rows: list[dict[str, Any]]) -> None:
-        """Store document rows (column name -> value) in one short transaction."""
+    def insert(self, rows: list[dict[str, Any]], also: Callable[[Session], None] | None = None) -> None:
+        """Store document rows (column name -> value) in one short transaction, with `also(session)` (its
+        audit event) in the same transaction."""
         with self.db.transaction() as s:
             self._guard(s)
-            s.execute(insert(Document.__table__), rows)
+            if rows:
+                s.execute(insert(Document.__table__), rows)
+            if also is not None:
+                also(s)
 
     def finish(
         self, manifest: str, signature: bytes, sealed_params: bytes, total: int, details: dict[str, Any]
@@ -59,10 +67,10 @@ class Upload:
         transaction."""
         with self.db.transaction() as s:
             values = {"manifest": manifest, "signature": signature, "sealed_params": sealed_params}
-            self._guard(s, status="queued", total=total, **values)
+            self._guard(s, status=JobState.QUEUED, total=total, **values)
             s.execute(
                 update(Document.__table__)
-                .where(Document.job_id == self.job_id, Document.status == "pending")
+                .where(Document.job_id == self.job_id, Document.status == DocState.PENDING)
                 .values(dispatched_at=utcnow())
             )
             audit.append(s, actor=self.client, action=audit.SUBMITTED, job_id=self.job_id, details=details)
@@ -94,22 +102,31 @@ class Upload:
 
 
 def begin(
-    db: Database, job_id: str, client: str, kind: str, sealed_name: bytes | None, priority: int
+    db: Database,
+    job_id: str,
+    client: str,
+    kind: str,
+    sealed_name: bytes | None,
+    priority: int,
+    on_claim: Callable[[Session, bool], None] | None = None,
 ) -> Upload | Job:
     """Claim `job_id` for a new upload by `client`, or return the job if it was already submitted.
-    `sealed_name` is the job's name sealed to the client (`envelope.seal_job_name`), or None."""
+    `sealed_name` is the job's name sealed to the client (`envelope.seal_job_name`), or None.
+    `on_claim(session, resumed)` runs in the claim's transaction (its audit event) when the id is claimed."""
     token = uuid.uuid4().hex
     for attempt in range(2):
         try:
             with db.transaction() as s:
                 claimed = _claim(s, job_id, client, token, kind, sealed_name, priority)
+                if on_claim is not None and not isinstance(claimed, Job):
+                    on_claim(s, claimed)
             break
         except IntegrityError:  # a concurrent submit created the same id first: take it over
             if attempt:
                 raise
     if isinstance(claimed, Job):
         return claimed
-    upload = Upload(db, job_id, client, token)
+    upload = Upload(db, job_id, client, token, resumed=claimed)
     if claimed:
         upload.clear()
     return upload

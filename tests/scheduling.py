@@ -9,8 +9,9 @@ by path needs no mark, and marks still group should xdist set the suffix again.
 from xdist.scheduler import LoadGroupScheduling
 
 # The fuzz folder checks the inputs it fed in total, counted in one process (tests/fuzz/test_zz_total.py);
-# the gateway's module shares one gateway and one worker, and scans for its canaries last.
-TOGETHER = ("tests/fuzz/", "tests/e2e/test_gateway.py")
+# the gateway's module shares one gateway and one worker, and scans for its canaries last; the service API's
+# module shares one `enclave serve` and one worker per back-end.
+TOGETHER = ("tests/fuzz/", "tests/e2e/test_gateway.py", "tests/e2e/test_service_api.py")
 
 
 class FolderGroupScheduling(LoadGroupScheduling):

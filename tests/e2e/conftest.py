@@ -102,7 +102,7 @@ def demo_model(tmp_path_factory) -> Path:
 
 def _env(tmp: Path, model: Path, extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ENCLAVE_")}
-    (tmp / "tmp").mkdir(exist_ok=True)
+    (tmp / "tmp").mkdir(parents=True, exist_ok=True)
     env.update(
         ENCLAVE_HOME=str(tmp / "home"),
         ENCLAVE_MODEL=str(model),

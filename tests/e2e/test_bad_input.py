@@ -5,7 +5,7 @@ import json
 from sqlalchemy import text
 
 from pipeline import envelope, keys
-from tests.e2e.conftest import NOTES
+from tests.e2e.conftest import NOTES, Enclave
 
 GOOD = [str(NOTES / "note-01-chest-pain.txt"), str(NOTES / "note-02-pneumonia.txt")]
 
@@ -111,16 +111,32 @@ def test_a_job_of_manifest_version_1_with_clear_params_still_runs(embedded):
 
 
 def test_unknown_and_revoked_clients(embedded, tmp_path):
-    job = embedded.submit(*GOOD, "--kind", "summarize", "--param", "max_tokens=8")
-    fingerprint = keys.load_public(embedded.home / "client").fingerprint
+    """A second client of the same embedded service: unknown until an administrator adds it; once revoked,
+    the service refuses its requests and the worker its queued job; re-added, it submits again."""
+    home = tmp_path / "bob-home"
+    service = {"ENCLAVE_DATABASE_URL": f"sqlite:///{embedded.home / 'enclave.db'}"}
+    service["ENCLAVE_BROKER_URL"] = f"sqla+sqlite:///{embedded.home / 'broker.db'}"
+    bob = Enclave(embedded.env | service | {"ENCLAVE_HOME": str(home)}, tmp_path, "embedded")
+    bob.run("keys", "create")
+    bob.run("keys", "import-service", str(embedded.home / "service" / "public.json"))
+    unknown = bob.run("submit", *GOOD, "--kind", "summarize", check=False)
+    assert "not on the service's allow-list" in one_line_error(unknown)
+    embedded.run("clients", "add", "bob", str(home / "client" / "public.json"))
+    job = bob.submit(*GOOD, "--kind", "summarize", "--param", "max_tokens=8")
+    fingerprint = keys.load_public(home / "client").fingerprint
     embedded.run("clients", "revoke", fingerprint[:12])
     embedded.work()
-    assert embedded.json("status", job)["status"] == "failed"
-    refused = embedded.run("submit", *GOOD, "--kind", "summarize", check=False)
-    assert "not on the service's allow-list" in one_line_error(refused)
+    db = embedded.database()
+    with db.engine.connect() as c:
+        status = c.execute(text("SELECT status FROM jobs WHERE id = :j"), {"j": job}).scalar_one()
+    db.dispose()
+    assert status == "failed"  # the worker refused the revoked client's queued job
+    refused = bob.run("submit", *GOOD, "--kind", "summarize", check=False)
+    assert "(401 revoked_client)" in one_line_error(refused)
+    assert "no job" in one_line_error(embedded.run("status", job, check=False))  # not the admin's job either
     # Re-adding the client (an administrator's decision) lets it submit again.
-    embedded.run("clients", "add", "me", str(embedded.home / "client" / "public.json"))
-    embedded.submit(*GOOD, "--kind", "summarize", "--param", "max_tokens=8")
+    embedded.run("clients", "add", "bob", str(home / "client" / "public.json"))
+    bob.submit(*GOOD, "--kind", "summarize", "--param", "max_tokens=8")
 
 
 def test_oversize_document_fails_at_submit_and_the_rest_complete(embedded, tmp_path):

@@ -132,7 +132,7 @@ def test_cancel_stops_unfinished_documents(db):
             s, second.id, "w", "done", b"r", None, "w"
         )  # in flight when cancelled
         assert store.lease(s, job, 1, "w", lease_seconds=60, max_attempts=3) == ([], [])
-        assert store.job_status(s, job).counts == {"done": 1, "cancelled": 3}
+        assert store.document_counts(s, job) == {"done": 1, "cancelled": 3}
         assert not store.has_open_work(s)
 
 
@@ -151,7 +151,7 @@ def test_crashes_do_not_burn_attempts_and_a_document_that_kills_every_worker_sti
         for d in leased:  # the worker dies holding the shard
             expire(db, d.id)
     with db.transaction() as s:
-        assert store.job_status(s, job).counts == {"leased": 2}  # not failed after 3 crashes, nor 9
+        assert store.document_counts(s, job) == {"leased": 2}  # not failed after 3 crashes, nor 9
         leased, exhausted = store.lease(s, job, 0, "last", lease_seconds=60, max_attempts=3)
         assert leased == [] and len(exhausted) == 2
         for d in exhausted:

@@ -61,16 +61,26 @@ def notes(folder: Path, n: int, start: int = 0) -> Path:
     return folder
 
 
+def database(session: client.ClientSession) -> Database:
+    """The database behind the session's (in-process) service, opened by the test to look at its rows."""
+    return Database(session.settings.database_url)
+
+
 def job_row(session: client.ClientSession, job_id: str) -> tuple[Job, list[Document]]:
-    with session.db.transaction() as s:
+    db = database(session)
+    with db.transaction() as s:
         job = s.get(Job, job_id)
         docs = s.scalars(select(Document).where(Document.job_id == job_id).order_by(Document.index)).all()
-        return job, list(docs)
+    db.dispose()
+    return job, list(docs)
 
 
 def count(session: client.ClientSession, query) -> int:
-    with session.db.transaction() as s:
-        return s.scalar(select(func.count()).select_from(query.subquery()))
+    db = database(session)
+    with db.transaction() as s:
+        n = s.scalar(select(func.count()).select_from(query.subquery()))
+    db.dispose()
+    return n
 
 
 def test_same_job_id_returns_the_submitted_job(session, tmp_path):
@@ -112,7 +122,7 @@ def test_another_clients_job_id_is_refused(session, tmp_path, db_url, service):
 
 
 def test_killed_upload_is_invisible_then_restarted_cleanly(session, tmp_path, monkeypatch):
-    monkeypatch.setattr(upload, "CHUNK_ROWS", 3)
+    monkeypatch.setattr(client, "CHUNK_ROWS", 3)
     folder = notes(tmp_path / "docs", 10)
     job_id = client.new_job_id()
 
@@ -130,10 +140,12 @@ def test_killed_upload_is_invisible_then_restarted_cleanly(session, tmp_path, mo
             client.submit_files(session, [folder], "summarize", {}, job_id=job_id)
     job, docs = job_row(session, job_id)
     assert job.status == "uploading" and len(docs) == 6
-    with session.db.transaction() as s:  # workers, the sweeper and idle checks ignore the job
+    db = database(session)
+    with db.transaction() as s:  # workers, the sweeper and idle checks ignore the job
         assert store.shards_to_dispatch(s, lease_seconds=0) == []
         assert not store.has_open_work(s)
         assert not store.complete_job_if_finished(s, job_id, "worker:test")
+    db.dispose()
     assert count(session, select(AuditEvent.seq).where(AuditEvent.action == "submitted")) == 0
 
     (folder / "note-00010.txt").write_text("added before the resubmit\n")
@@ -147,19 +159,23 @@ def test_killed_upload_is_invisible_then_restarted_cleanly(session, tmp_path, mo
 
 def test_a_later_submit_with_the_same_id_takes_the_upload_over(session):
     job_id = client.new_job_id()
-    first = upload.begin(session.db, job_id, session.fingerprint, "summarize", None, 0)
-    second = upload.begin(session.db, job_id, session.fingerprint, "summarize", None, 0)
+    db = database(session)
+    first = upload.begin(db, job_id, session.fingerprint, "summarize", None, 0)
+    second = upload.begin(db, job_id, session.fingerprint, "summarize", None, 0)
     with pytest.raises(upload.UploadError, match="taken over"):
         first.insert([])
     with pytest.raises(upload.UploadError, match="taken over"):
         first.finish("{}", b"", b"", 0, {})
     second.finish("{}", b"", b"", 0, {})  # the owner can queue it (an empty job completes at once)
+    db.dispose()
     assert job_row(session, job_id)[0].status == "completed"
 
 
 def test_results_of_a_job_still_uploading_are_refused(session):
     job_id = client.new_job_id()
-    upload.begin(session.db, job_id, session.fingerprint, "summarize", None, 0)
+    db = database(session)
+    upload.begin(db, job_id, session.fingerprint, "summarize", None, 0)
+    db.dispose()
     for partial in (False, True):
         with pytest.raises(client.ClientError, match=f"still uploading.*--job-id {job_id}"):
             client.fetch_results(session, job_id, partial=partial)
@@ -172,7 +188,7 @@ def test_a_batch_file_with_bad_lines_stores_each_as_failed_alone(session, tmp_pa
     batch.write_text(json.dumps(good) + "\n" + deep + "]" * 100_000 + "}\n" + '{"no": "id"' + "\n")
     result = client.submit_openai_batch(session, batch, name="ward 3")
     job, docs = job_row(session, result.job_id)
-    assert job.name == "" and client.job_name(session, job) == "ward 3"
+    assert job.name == "" and client.job_name(session, client.job_status(session, job.id)) == "ward 3"
     names = [envelope.open_name(d.sealed_name, session.identity, job.id, d.id) for d in docs]
     assert names == ["good", "deep", "line 3"]
     assert [d.status for d in docs] == ["pending", "failed", "failed"]
@@ -211,14 +227,17 @@ def test_an_undecodable_file_name_fails_alone(session, tmp_path):
 
 
 def test_chunks_are_bounded_in_rows_and_bytes(session, tmp_path, monkeypatch):
-    monkeypatch.setattr(upload, "CHUNK_ROWS", 4)
-    monkeypatch.setattr(upload, "CHUNK_BYTES", 600)  # a sealed note is about 200 bytes
+    monkeypatch.setattr(client, "CHUNK_ROWS", 4)
+    monkeypatch.setattr(client, "CHUNK_BYTES", 600)  # a sealed note and its sealed name are about 300 bytes
     chunks = []
-    insert = upload.Upload.insert
-    monkeypatch.setattr(upload.Upload, "insert", lambda self, rows: (chunks.append(rows), insert(self, rows)))
+    send = session.api.add_documents
+    monkeypatch.setattr(
+        session.api, "add_documents", lambda job, chunk: (chunks.append(chunk), send(job, chunk))[1]
+    )
     result = client.submit_files(session, [notes(tmp_path / "docs", 10)], "summarize", {})
-    assert sum(len(c) for c in chunks) == result.documents == 10
-    assert all(len(c) <= 4 and sum(len(r["sealed"]) for r in c[:-1]) < 600 for c in chunks)
+    assert sum(len(c.documents) for c in chunks) == result.documents == 10
+    sizes = [sum(len(r.sealed) + len(r.sealed_name) for r in c.documents) for c in chunks]
+    assert all(len(c.documents) <= 4 for c in chunks) and max(sizes) <= 600, sizes
     assert len(chunks) > 10 / 4
 
 

@@ -18,7 +18,8 @@ from pipeline import audit, envelope, keys, migrate, store
 from pipeline.db import Database
 from pipeline.models import Client, Document, Job, Result
 from pipeline.settings import Settings
-from pipeline.worker import ENGINE_REFUSED, Leased, WorkerRuntime
+from pipeline.shards import ENGINE_REFUSED, Leased
+from pipeline.worker import WorkerRuntime
 
 SECRET = "SECRET-d41c"
 
@@ -142,8 +143,8 @@ def test_each_document_fails_or_is_given_back_alone(runtime):
         stale = leased[BEHAVIOURS.index("stale-result")]
         s.add(Result(document_id=stale.id, job_id=job, sealed=b"stale"))
         hashes = {d.id: d.sha256 for d in leased}
-    outcomes = runtime._run(job, Probe(), work, hashes, priority=0)
-    recorded = runtime._record(job, outcomes, client.public.x25519)
+    outcomes = runtime.shards._run(job, Probe(), work, hashes, priority=0)
+    recorded = runtime.shards._record(job, outcomes, client.public.x25519)
     assert sorted(recorded) == ["done", "done", "failed", "failed", "failed"]
 
     with runtime.db.transaction() as s:

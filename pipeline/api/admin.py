@@ -1,0 +1,105 @@
+"""Administrators' operations: the allow-list (list, add, revoke) and the audit log, read page by page (an
+export). Only callers with the `admin` role reach them (403 otherwise); each change is audited with the
+administrator as actor."""
+
+from __future__ import annotations
+
+import json
+
+from sqlalchemy import select
+
+from pipeline import audit, keys
+from pipeline.api.auth import Caller
+from pipeline.api.errors import ApiError, malformed
+from pipeline.db import Database
+from pipeline.home import add_client
+from pipeline.models import AuditEvent, Client, utcnow
+from pipeline.wire import messages as m
+
+
+def _info(client: Client) -> m.ClientInfo:
+    return m.ClientInfo(
+        name=client.name,
+        fingerprint=client.fingerprint,
+        role=client.role,
+        created_at=client.created_at,
+        revoked_at=client.revoked_at,
+    )
+
+
+class Admin:
+    """The administrators' routes' operations."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    @staticmethod
+    def check(caller: Caller) -> None:
+        if not caller.admin:
+            raise ApiError(
+                403, "forbidden", "this needs an administrator's key (role admin on the allow-list)"
+            )
+
+    def clients(self, caller: Caller) -> m.ClientList:
+        self.check(caller)
+        with self.db.transaction() as s:
+            rows = s.scalars(select(Client).order_by(Client.created_at, Client.fingerprint)).all()
+            return m.ClientList(clients=[_info(c) for c in rows])
+
+    def add(self, caller: Caller, request: m.AddClient) -> m.ClientInfo:
+        self.check(caller)
+        try:
+            public = keys.PublicIdentity(x25519=request.x25519, ed25519=request.ed25519)
+        except keys.KeyFileError as exc:
+            raise malformed(f"the client's public keys are refused: {exc}") from None
+        with self.db.transaction() as s:
+            return _info(add_client(s, request.name, public, actor=caller.fingerprint, role=request.role))
+
+    def revoke(self, caller: Caller, fingerprint: str) -> m.ClientInfo:
+        self.check(caller)
+        prefix = fingerprint.strip().lower()
+        with self.db.transaction() as s:
+            matches = s.scalars(
+                select(Client).where(Client.fingerprint.startswith(prefix, autoescape=True)).limit(2)
+            ).all()
+            if len(matches) != 1 or not prefix:
+                raise ApiError(
+                    404 if not matches else 400,
+                    "not_found" if not matches else "ambiguous_client",
+                    f"{len(matches)} clients match {prefix[:64]!r}; give more of the fingerprint",
+                )
+            client = matches[0]
+            client.revoked_at = utcnow()
+            audit.append(
+                s,
+                actor=caller.fingerprint,
+                action=audit.CLIENT_REVOKED,
+                details={"client": client.fingerprint},
+            )
+            return _info(client)
+
+    def audit_page(self, caller: Caller, after: int, limit: int, job: str | None) -> m.AuditPage:
+        """Events with seq > `after`, oldest first; `job` keeps one job's (its id, or a prefix of it)."""
+        self.check(caller)
+        with self.db.transaction() as s:
+            query = select(AuditEvent).where(AuditEvent.seq > after).order_by(AuditEvent.seq).limit(limit + 1)
+            if job:
+                query = query.where(AuditEvent.job_id.startswith(job.strip().lower(), autoescape=True))
+            rows = s.scalars(query).all()
+            events = [_row(e) for e in rows[:limit]]
+        return m.AuditPage(events=events, next_after=events[-1].seq if len(rows) > limit else None)
+
+
+def _row(event: AuditEvent) -> m.AuditRow:
+    return m.AuditRow(
+        seq=event.seq,
+        at=event.at,
+        actor=event.actor,
+        action=event.action,
+        job_id=event.job_id,
+        document_id=event.document_id,
+        outcome=event.outcome,
+        details=json.loads(event.details),
+        prev_hash=event.prev_hash,
+        hash=event.hash,
+    )

@@ -1,0 +1,217 @@
+"""The service API's Starlette app. Each route is thin: its body read within the size bound, the caller
+authenticated from the request's signature, the body parsed into its message, one operation run in a thread
+(database work), the answer serialised. Refusals are `{"error": {"code", "message"}}` with their status;
+an unexpected error is logged by type and stack only (its message may quote data) and answered 500.
+
+| route | who | does |
+|---|---|---|
+| `GET /v1/health` | anyone | liveness and the request size bound |
+| `POST /v1/jobs`, `POST /v1/jobs/{id}/documents`, `POST /v1/jobs/{id}/submit` | clients | a chunked submit |
+| `GET /v1/jobs`, `GET /v1/jobs/{id}` | clients | own jobs, one job's status (`id`: or a unique prefix) |
+| `POST /v1/jobs/{id}/cancel` | clients | cancel an own job |
+| `GET /v1/jobs/{id}/results?after=&limit=&partial=` | clients | sealed, signed results, a page at a time |
+| `GET /v1/clients`, `POST /v1/clients`, `POST /v1/clients/{fingerprint}/revoke` | admins | the allow-list |
+| `GET /v1/audit?after=&limit=&job=` | admins | the audit log, a page at a time |
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from jobs.bounded_json import JSONInputError
+from jobs.bounded_json import loads as load_json
+from pipeline.api.admin import Admin
+from pipeline.api.auth import Authenticator, Caller
+from pipeline.api.errors import ApiError, malformed
+from pipeline.api.jobs import Dispatcher, Jobs
+from pipeline.db import Database
+from pipeline.errors import database_message, stack_without_message
+from pipeline.settings import Settings
+from pipeline.wire import messages as m
+from pipeline.wire import signing
+
+log = logging.getLogger("enclave.api")
+MAX_REQUEST_BYTES = 64 * 2**20  # a chunk of sealed documents, as base64 in JSON
+M = TypeVar("M", bound=BaseModel)
+Operation = Callable[[Request, Caller, bytes], Awaitable[BaseModel]]
+
+
+class Service:
+    """The API's state: the database, the dispatcher, the operations; closed with `close()`."""
+
+    def __init__(self, settings: Settings, max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
+        self.settings = settings
+        self.max_request_bytes = max_request_bytes
+        self.db = Database(settings.database_url)
+        self.dispatcher = Dispatcher(settings)
+        self.auth = Authenticator(self.db)
+        self.jobs = Jobs(self.db, settings, self.dispatcher)
+        self.admin = Admin(self.db)
+
+    def close(self) -> None:
+        self.dispatcher.close()
+        self.db.dispose()
+
+
+def create_app(service: Service) -> Starlette:
+    """The ASGI app serving `service`."""
+    api = _Routes(service)
+    routes = [
+        Route("/v1/health", api.health, methods=["GET"]),
+        Route("/v1/jobs", api.signed(api.begin), methods=["POST"]),
+        Route("/v1/jobs", api.signed(api.list_jobs), methods=["GET"]),
+        Route("/v1/jobs/{job}", api.signed(api.status), methods=["GET"]),
+        Route("/v1/jobs/{job}/documents", api.signed(api.documents), methods=["POST"]),
+        Route("/v1/jobs/{job}/submit", api.signed(api.submit), methods=["POST"]),
+        Route("/v1/jobs/{job}/cancel", api.signed(api.cancel), methods=["POST"]),
+        Route("/v1/jobs/{job}/results", api.signed(api.results), methods=["GET"]),
+        Route("/v1/clients", api.signed(api.clients), methods=["GET"]),
+        Route("/v1/clients", api.signed(api.add_client), methods=["POST"]),
+        Route("/v1/clients/{fingerprint}/revoke", api.signed(api.revoke), methods=["POST"]),
+        Route("/v1/audit", api.signed(api.audit), methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: _unrouted})
+
+
+class _Routes:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def signed(self, operation: Operation) -> Callable[[Request], Awaitable[Response]]:
+        """`operation` behind the size bound and the signature check, its refusals as JSON errors."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                body = await self._body(request)
+                target = signing.target_of(
+                    request.url.path, request.scope.get("query_string", b"").decode("latin-1")
+                )
+                caller = await run_in_threadpool(
+                    self.service.auth.authenticate, request.method, target, request.headers, body
+                )
+                answer = await operation(request, caller, body)
+            except ApiError as exc:
+                return error(exc)
+            except Exception as exc:
+                return _unexpected(request, exc)
+            return JSONResponse(answer.model_dump(mode="json"))
+
+        return endpoint
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.service.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise _too_large(limit)
+        return bytes(body)
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse(
+            m.Health(max_request_bytes=self.service.max_request_bytes).model_dump(mode="json")
+        )
+
+    async def begin(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
+        return await run_in_threadpool(self.service.jobs.begin, caller, parse(m.BeginUpload, body))
+
+    async def list_jobs(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
+        limit = _int(request, "limit", 100, 1, 10_000)
+        return await run_in_threadpool(self.service.jobs.list_jobs, caller, limit)
+
+    async def status(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
+        return await run_in_threadpool(self.service.jobs.status, caller, request.path_params["job"])
+
+    async def documents(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
+        chunk = parse(m.DocumentChunk, body)
+        return await run_in_threadpool(
+            self.service.jobs.add_documents, caller, request.path_params["job"], chunk
+        )
+
+    async def submit(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
+        finish = parse(m.FinishUpload, body)
+        return await run_in_threadpool(self.service.jobs.finish, caller, request.path_params["job"], finish)
+
+    async def cancel(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
+        return await run_in_threadpool(self.service.jobs.cancel, caller, request.path_params["job"])
+
+    async def results(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
+        after = _int(request, "after", -1, -1, 2**31) if "after" in request.query_params else None
+        limit = _int(request, "limit", 200, 1, m.MAX_ROWS)
+        partial = request.query_params.get("partial", "0") == "1"
+        job = request.path_params["job"]
+        return await run_in_threadpool(self.service.jobs.results, caller, job, after, limit, partial)
+
+    async def clients(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
+        return await run_in_threadpool(self.service.admin.clients, caller)
+
+    async def add_client(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
+        return await run_in_threadpool(self.service.admin.add, caller, parse(m.AddClient, body))
+
+    async def revoke(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
+        return await run_in_threadpool(self.service.admin.revoke, caller, request.path_params["fingerprint"])
+
+    async def audit(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
+        after = _int(request, "after", 0, 0, 2**62)
+        limit = _int(request, "limit", 1000, 1, 10_000)
+        job = request.query_params.get("job")
+        return await run_in_threadpool(self.service.admin.audit_page, caller, after, limit, job)
+
+
+def parse(model: type[M], body: bytes) -> M:
+    """`body` as `model`; 400 naming the first bad field (never its value)."""
+    try:
+        data: Any = load_json(body, "the request body")
+    except JSONInputError as exc:
+        raise malformed(f"the request body is not valid JSON: {exc}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_input=False, include_url=False)[0]
+        where = ".".join(str(x) for x in first["loc"]) or "the body"
+        raise malformed(f"the request body is refused: {where}: {first['msg']}") from None
+
+
+def error(exc: ApiError) -> JSONResponse:
+    body = m.ErrorEnvelope(error=m.ErrorBody(code=exc.code, message=exc.message))
+    return JSONResponse(body.model_dump(mode="json"), status_code=exc.status)
+
+
+def _int(request: Request, name: str, default: int, low: int, high: int) -> int:
+    value = request.query_params.get(name)
+    if value is None:
+        return default
+    if not value.lstrip("-").isdigit() or not low <= int(value) <= high:
+        raise malformed(f"the query parameter {name} must be a whole number between {low} and {high}")
+    return int(value)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, "too_large", f"the request body is larger than the service's limit of {limit} bytes")
+
+
+def _unexpected(request: Request, exc: Exception) -> Response:
+    if type(exc).__module__.startswith("sqlalchemy"):
+        log.error("database error on %s %s: %s", request.method, request.url.path, stack_without_message(exc))
+        return error(ApiError(503, "unavailable", database_message(exc)))
+    log.error("internal error on %s %s: %s", request.method, request.url.path, stack_without_message(exc))
+    return error(ApiError(500, "internal", "internal error in the service; its log has the stack trace"))
+
+
+async def _unrouted(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 404
+    code = "not_found" if status == 404 else "method_not_allowed"
+    return error(ApiError(status, code, f"no route {request.method} {request.url.path}"))
