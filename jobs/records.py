@@ -7,7 +7,7 @@ the wrong number of fields or bytes that are not UTF-8, a JSONL line that is not
 or repeated key) is a `Record` with an `error` and no data, so that it fails alone; the others go on.
 Errors are content-free: row numbers, counts and column positions, never a value.
 
-Nothing here is wired into the CLI yet (`enclave submit FILE --records`): see docs/ARCHITECTURE.md, 9.
+`enclave submit FILE --records [--key COLUMN]` sends them (`pipeline.client.submit_records`).
 """
 
 from __future__ import annotations

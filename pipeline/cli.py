@@ -224,6 +224,17 @@ def clients_revoke(ctx: click.Context, fingerprint: str) -> None:
 @click.option(
     "--openai-batch", "batch", type=click.Path(path_type=Path), help="An OpenAI Batch API JSONL file."
 )
+@click.option(
+    "--records",
+    is_flag=True,
+    help="PATH is a CSV, JSONL or Parquet file: one document per row (summarize, extract).",
+)
+@click.option("--key", "record_key", help="With --records: the column naming each row (default: row N).")
+@click.option(
+    "--records-format",
+    type=click.Choice(["csv", "jsonl", "parquet"]),
+    help="With --records: the file's format when its extension does not say.",
+)
 @click.option("--name", default="", help="A label for the job (sealed to this client, like file names).")
 @click.option(
     "--param",
@@ -240,7 +251,9 @@ def clients_revoke(ctx: click.Context, fingerprint: str) -> None:
 )
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def submit(ctx, paths, kind, batch, name, params, priority, job_id, as_json) -> None:
+def submit(
+    ctx, paths, kind, batch, records, record_key, records_format, name, params, priority, job_id, as_json
+) -> None:
     """Seal documents on this machine and submit them as one job."""
     from jobs.params import resolve_file_params
     from pipeline import client as c
@@ -249,6 +262,10 @@ def submit(ctx, paths, kind, batch, name, params, priority, job_id, as_json) -> 
         raise UserError("give either --openai-batch FILE or PATH... --kind KIND, not both")
     if not batch and not (paths and kind):
         raise UserError("give PATH... and --kind KIND (or --openai-batch FILE)")
+    if (record_key or records_format) and not records:
+        raise UserError("--key and --records-format go with --records")
+    if records and (batch or len(paths) != 1):
+        raise UserError("--records takes one CSV, JSONL or Parquet file")
     chosen = job_id is not None
 
     def announce(claimed: str) -> None:
@@ -258,6 +275,11 @@ def submit(ctx, paths, kind, batch, name, params, priority, job_id, as_json) -> 
     session = _session(ctx)
     if batch:
         result = c.submit_openai_batch(session, batch, name, priority, job_id, announce)
+    elif records:
+        params = resolve_file_params(_params(params))
+        result = c.submit_records(
+            session, paths[0], kind, params, record_key, records_format, name, priority, job_id, announce
+        )
     else:
         params = resolve_file_params(_params(params))
         result = c.submit_files(session, list(paths), kind, params, name, priority, job_id, announce)

@@ -5,6 +5,7 @@ parameters) or to this client (names), and results come back sealed to this clie
 
 from __future__ import annotations
 
+import itertools
 import json
 import uuid
 from collections import Counter
@@ -16,6 +17,7 @@ from pathlib import Path
 from jobs import make_kind
 from jobs.base import INVALID_REQUEST
 from jobs.openai_batch import BadLine, BatchFileError, read_batch_file
+from jobs.records import Record, RecordsError, read_records
 from jobs.repository import walk_repository
 from pipeline import api_client, envelope, keys
 from pipeline.canonical import canonical_json
@@ -164,6 +166,51 @@ def submit_openai_batch(
         raise BatchFileError(["the file has no requests"])
     job_kind = make_kind("chat", {})
     documents = (_batch_document(line) for line in lines)
+    return _store(session, job_kind.name, job_kind.params, documents, name, priority, job_id, announce)
+
+
+RECORD_KINDS = ("summarize", "extract")  # kinds whose documents a record export's rows can be
+
+
+def submit_records(
+    session: ClientSession,
+    file: Path,
+    kind: str,
+    params: dict,
+    key: str | None = None,
+    fmt: str | None = None,
+    name: str = "",
+    priority: int = 0,
+    job_id: str | None = None,
+    announce: Callable[[str], None] | None = None,
+) -> Submitted:
+    """Store each row of a CSV, JSONL or Parquet file (`jobs.records`) as one document of a `summarize` or
+    `extract` job, named by its `key` column's value (else `row N`) and sealed like a file. A row that
+    cannot be read fails alone at submit, with its row number and why; the rest go on. Rows are read one at
+    a time; a file that cannot be read at all is refused before the job is claimed."""
+    if kind not in RECORD_KINDS:
+        raise ClientError(f"--records takes --kind {' or '.join(RECORD_KINDS)}, not {kind}")
+    if not file.is_file():
+        raise ClientError(f"{file} is not a file")
+    job_kind = make_kind(kind, params)
+    limit = session.settings.limits.max_document_bytes
+    try:
+        rows = read_records(file, key, fmt)
+        first = next(rows, None)  # reads the header (CSV) or the schema (Parquet)
+    except RecordsError as exc:
+        raise ClientError(str(exc)) from None
+    if first is None:
+        raise ClientError(f"{file.name} has no rows")
+
+    def document(record: Record) -> NewDocument:
+        if record.data is None:
+            return NewDocument(record.key, None, 0, bounded(f"invalid_record: {record.error}"))
+        if len(record.data) > limit:
+            reason = f"invalid_record: the row is {len(record.data)} bytes; the limit is {limit}"
+            return NewDocument(record.key, None, len(record.data), reason)
+        return NewDocument(record.key, record.data, len(record.data))
+
+    documents = (document(r) for r in itertools.chain([first], rows))
     return _store(session, job_kind.name, job_kind.params, documents, name, priority, job_id, announce)
 
 
