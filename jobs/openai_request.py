@@ -15,6 +15,7 @@ path, with OpenAI's `param` and an error code.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -199,6 +200,21 @@ def parse_request(model: type[_Strict], body: dict[str, Any]) -> Any:
 
 
 def _refusal(exc: ValidationError) -> RequestRefused:
+    """The first problem as a content-free reason (stored in clear), with a `detail` that quotes the value
+    the line gave (sealed to the submitter only, as every failure's full reason is)."""
+    refused = _reason(exc)
+    errors = exc.errors(include_url=False)
+    error = max(errors, key=lambda e: len([p for p in e["loc"] if not _branch(p)]))
+    if "input" in error and error["type"] != "missing":
+        given = json.dumps(error["input"], ensure_ascii=False, default=repr)
+        refused.detail = f"{refused.reason}; the line gave {given[:MAX_DETAIL_QUOTE]}"
+    return refused
+
+
+MAX_DETAIL_QUOTE = 2000  # characters of the refused value quoted in the sealed detail
+
+
+def _reason(exc: ValidationError) -> RequestRefused:
     errors = exc.errors(include_url=False, include_input=False)
     # Of a union's failed branches, the deepest error says most (`content[0].type`, not `content`).
     error = max(errors, key=lambda e: len([p for p in e["loc"] if not _branch(p)]))

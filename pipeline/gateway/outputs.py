@@ -65,10 +65,15 @@ def output_line(record: dict[str, Any], unrun_code: str) -> OutputLine:
         code = output.get("code") if isinstance(output, dict) else None
         message = record.get("detail") or record.get("error") or "the request failed"
         message = message.removeprefix(f"{code}: ") if isinstance(code, str) else message
-        invalid = code == INVALID_REQUEST
+        # Refused by the worker (the chat kind's output says 400, with OpenAI's type, param and code) or at
+        # submit (code invalid_request_error): OpenAI's 400 answer; anything else a 500.
+        refused = isinstance(output, dict) and output.get("status_code") == 400
+        invalid = refused or code == INVALID_REQUEST
         kind = INVALID_REQUEST if invalid else "server_error"
-        body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
-        return OutputLine(**line, response=_response(400 if invalid else 500, body), error=None)
+        error = {"message": message, "type": kind, "param": None, "code": None}
+        if refused:
+            error |= {"type": output.get("type") or kind, "param": output.get("param"), "code": code}
+        return OutputLine(**line, response=_response(400 if invalid else 500, {"error": error}), error=None)
     if status == "refused":
         message = record.get("error") or "the result was refused"
         return OutputLine(**line, response=None, error=LineError(code=REFUSED_CODE, message=message))

@@ -21,7 +21,7 @@ def write_batch(path):
             "custom_id": "text-1",
             "method": "POST",
             "url": "/v1/completions",
-            "body": {"prompt": "Once upon a time", "max_completion_tokens": 6, "temperature": 0.7, "seed": 3},
+            "body": {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0.7, "seed": 3},
         },
         {"custom_id": "embed-1", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
     ]

@@ -156,7 +156,8 @@ def script(gateway: Running) -> ScriptRun:
     lines = [
         request_line(m("cid_ok1"), m("doc_ok1"), model=m("model"), max_tokens=4),
         request_line(m("cid_ok2"), m("doc_ok2"), max_tokens=3, temperature=0),
-        request_line(m("cid_n2"), m("doc_n2"), n=2),  # refused by the worker: 400 line
+        request_line(m("cid_n2"), m("doc_n2"), n=2, max_tokens=3),  # two choices
+        request_line(m("cid_stream"), m("doc_stream"), stream=True),  # refused by the worker: 400 line
         request_line(
             m("cid_part"), [{"type": m("part_type"), "text": m("doc_part")}]
         ),  # idem, its detail quotes
@@ -167,8 +168,8 @@ def script(gateway: Running) -> ScriptRun:
             m("line_key"): m("line_value"),
         },  # at submit
     ]
-    expected = {m("cid_ok1"): "done", m("cid_ok2"): "done"}
-    expected |= {m(x): "invalid" for x in ("cid_n2", "cid_part", "cid_nobody")}
+    expected = {m("cid_ok1"): "done", m("cid_ok2"): "done", m("cid_n2"): "done"}
+    expected |= {m(x): "invalid" for x in ("cid_stream", "cid_part", "cid_nobody")}
     requests = write_lines(inputs / f"{m('batch_file')}.jsonl", lines)
     second = [request_line(m(f"cid_cancel_{i}"), m(f"doc_cancel_{i}"), max_tokens=200) for i in range(12)]
     second_file = write_lines(inputs / f"{m('cancel_file')}.jsonl", second)
@@ -261,7 +262,9 @@ def test_an_unchanged_openai_script_runs_end_to_end(script: ScriptRun):
     assert all(x["response"]["status_code"] == 400 for x in errors)
     assert {x["response"]["body"]["error"]["type"] for x in errors} == {"invalid_request_error"}
     counts = batch.request_counts
-    assert (counts.total, counts.completed, counts.failed) == (5, len(output), len(errors))
+    assert (counts.total, counts.completed, counts.failed) == (6, len(output), len(errors))
+    (n2,) = [x for x in output if x["custom_id"].endswith("cid_n2")]
+    assert [c["index"] for c in n2["response"]["body"]["choices"]] == [0, 1]
     assert batch.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
     assert batch.failed_at is batch.cancelled_at is batch.expired_at is None
     assert batch.usage is not None and batch.usage.output_tokens >= 1

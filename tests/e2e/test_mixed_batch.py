@@ -32,7 +32,7 @@ def malformed_lines():
         lambda i: (CHAT, chat_body([{"type": "image_url", "image_url": {"url": CANARY}}]), None),
         lambda i: (CHAT, {"messages": [{"role": CANARY * 30, "content": "x"}]}, None),
         lambda i: (CHAT, chat_body(f"{CANARY}\ud800"), None),
-        lambda i: (CHAT, chat_body("hello", n=2), None),
+        lambda i: (CHAT, chat_body("hello", stream=True), None),
         lambda i: (CHAT, chat_body("hello", temperature=CANARY), None),
         lambda i: (CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}, None),
         lambda i: (COMPLETIONS, {"prompt": {CANARY: 1}}, None),
@@ -79,8 +79,14 @@ def test_50_good_and_50_malformed_lines(embedded, tmp_path):
     lines = {x["custom_id"]: x for x in map(json.loads, (out / "output.jsonl").read_text().splitlines())}
     assert all(lines[cid]["response"]["status_code"] == 200 for cid, _ in good)
     for cid, _ in bad:
-        error = lines[cid]["error"]
-        assert lines[cid]["response"] is None and error["code"] and error["message"], cid
+        line = lines[cid]
+        if line["response"] is not None:  # refused by the worker: OpenAI's 400, the error as its body
+            assert line["error"] is None and line["response"]["status_code"] == 400, cid
+            error = line["response"]["body"]["error"]
+            assert error["type"] == "invalid_request_error", cid
+        else:  # refused at submit (the line could not be read as a request): the line's error
+            error = line["error"]
+        assert error["code"] and error["message"], cid
 
     db = embedded.database()
     with db.engine.connect() as c:
