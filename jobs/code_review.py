@@ -41,10 +41,11 @@ class CodeReview(JobKind):
     "security"), enable_thinking (default on, `jobs.thinking`), include_reasoning; and the scan's include,
     exclude, max_file_bytes, skip and commit (`jobs.scan_rules.take_scan`), which the client applies.
 
-    Each file is a document; output `{"path", "language", "chunks", "findings"}`. The answer is held to
-    `FINDINGS_SCHEMA` by constrained decoding. Review is advisory: text without parsable findings (cut at
-    max_tokens) is kept as one "note" finding and the file is still done; a chunk whose budget ran out
-    inside its reasoning fails the file with that reason.
+    Each file is a document; output `{"path", "language", "chunks", "model", "findings"}`, `model` being
+    the served model's name (the report names it). The answer is held to `FINDINGS_SCHEMA` by constrained
+    decoding. Review is advisory: text without parsable findings (cut at max_tokens) is kept as one "note"
+    finding and the file is still done; a chunk whose budget ran out inside its reasoning fails the file
+    with that reason.
     """
 
     name = "code-review"
@@ -73,6 +74,7 @@ class CodeReview(JobKind):
         findings = [finding for out in outputs for finding in parse_findings(out.text or "")]
         findings.sort(key=lambda f: (f["line"] is None, f["line"] or 0))
         output = {"path": doc.path, "language": language_of(doc.path), "chunks": len(outputs)}
+        output["model"] = next((out.model for out in outputs if out.model), None)
         output["findings"] = findings
         return DocumentResult(status="done", output=output, usage=usage, reasoning=reasoning)
 
