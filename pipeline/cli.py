@@ -272,7 +272,7 @@ def submit(ctx, paths, kind, batch, name, params, priority, job_id, as_json) -> 
     if result.rejected:
         note += f", {len(result.rejected)} refused at submit (e.g. {result.rejected[0][1]})"
     if result.skipped:
-        note += f", {len(result.skipped)} files skipped (binary, vendored or too large)"
+        note += f", {len(result.skipped)} files skipped (report.md lists them with why)"
     if not result.dispatched:
         note += "; broker unreachable: workers pick the job up when it is back"
     err.print(note)
@@ -423,6 +423,7 @@ def results(ctx: click.Context, job: str, out_dir: Path, partial: bool, as_json:
     and the command exits non-zero.
     """
     from pipeline import client as c
+    from pipeline import scan_records
     from pipeline.results_files import write_results
 
     session = c.ClientSession(settings_of(ctx))
@@ -433,7 +434,8 @@ def results(ctx: click.Context, job: str, out_dir: Path, partial: bool, as_json:
         name = c.job_name(session, job_row)
     finally:
         session.close()
-    files = write_results(out_dir, job_row.kind, records)
+    scan = scan_records.load(session.settings.home, session.identity, job_id)
+    files = write_results(out_dir, job_row.kind, records, scan)
     refused = [r["error"] for r in records if r["status"] == "refused"]
     summary = {
         "job_id": job_id,

@@ -1,5 +1,6 @@
-"""Write opened results on the client: results.jsonl always, report.md for code review, output.jsonl (the
-OpenAI batch output format) for OpenAI batches. Files are created 0600: they hold plaintext."""
+"""Write opened results on the client: results.jsonl always, report.md and report.sarif (SARIF 2.1.0) for
+code review, output.jsonl (the OpenAI batch output format) for OpenAI batches. Files are created 0600: they
+hold plaintext."""
 
 from __future__ import annotations
 
@@ -9,13 +10,18 @@ from pathlib import Path
 
 from jobs.code_review import build_report
 from jobs.openai_batch import output_line
+from jobs.sarif import build_sarif
+from jobs.scan_record import ScanRecord
 
 REFUSED_CODE = "result_refused"  # the result did not carry the service's valid signature
 
 
-def write_results(out_dir: Path, kind: str, records: list[dict]) -> list[Path]:
+def write_results(
+    out_dir: Path, kind: str, records: list[dict], scan: ScanRecord | None = None
+) -> list[Path]:
     """Write the records; a record's `detail` (the full reason of a failure, possibly quoting the document)
-    goes into the files too, since they are the submitter's plaintext."""
+    goes into the files too, since they are the submitter's plaintext. `scan` is a code-review job's scan
+    record (`pipeline.scan_records`), for the reports' header and skipped files."""
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [
         {"document": r["document"], "status": r["status"], "output": r["output"], "error": r["error"]}
@@ -26,8 +32,10 @@ def write_results(out_dir: Path, kind: str, records: list[dict]) -> list[Path]:
         _write(out_dir / "results.jsonl", "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
     ]
     if kind == "code-review":
-        report = build_report([(r["document"], r) for r in records])
-        files.append(_write(out_dir / "report.md", report))
+        reviewed = [(r["document"], r) for r in records]
+        files.append(_write(out_dir / "report.md", build_report(reviewed, scan)))
+        sarif = json.dumps(build_sarif(reviewed, scan), ensure_ascii=False, indent=1)
+        files.append(_write(out_dir / "report.sarif", sarif + "\n"))
     if kind == "chat":
         batch = [output_line(r["document"], _batch_record(r)) for r in records]
         files.append(
