@@ -18,6 +18,7 @@ from jobs.findings import FINDINGS_SCHEMA, MAX_FINDINGS, parse_findings
 from jobs.params import take_sampling, take_str
 from jobs.repository import language_of
 from jobs.review_report import build_report
+from jobs.scan_rules import SCAN_PARAMS, take_scan
 from jobs.thinking import THINKING_PARAMS, reasoning_cut_off, take_thinking
 
 if TYPE_CHECKING:
@@ -37,22 +38,24 @@ _MARGIN = 8  # tokens kept spare when packing lines: counts of joined lines can 
 
 class CodeReview(JobKind):
     """Params: max_tokens (default 2048: reasoning and answer), temperature, top_p, seed, focus (e.g.
-    "security"), enable_thinking (default on, `jobs.thinking`), include_reasoning.
+    "security"), enable_thinking (default on, `jobs.thinking`), include_reasoning; and the scan's include,
+    exclude, max_file_bytes, skip and commit (`jobs.scan_rules.take_scan`), which the client applies.
 
-    Each file is a document; output `{"path", "language", "chunks", "findings"}`. The answer is held to
-    `FINDINGS_SCHEMA` by constrained decoding. Review is advisory: text without parsable findings (cut at
-    max_tokens) is kept as one "note" finding and the file is still done; a chunk whose budget ran out
-    inside its reasoning fails the file with that reason.
+    Each file is a document; output `{"path", "language", "chunks", "model", "findings"}`, `model` being
+    the served model's name (the report names it). The answer is held to `FINDINGS_SCHEMA` by constrained
+    decoding. Review is advisory: text without parsable findings (cut at max_tokens) is kept as one "note"
+    finding and the file is still done; a chunk whose budget ran out inside its reasoning fails the file
+    with that reason.
     """
 
     name = "code-review"
-    param_names = ("focus", "max_tokens", "seed", "temperature", "top_p", *THINKING_PARAMS)
+    param_names = ("focus", "max_tokens", "seed", "temperature", "top_p", *THINKING_PARAMS, *SCAN_PARAMS)
 
     def parse_params(self, params: dict[str, Any]) -> dict[str, Any]:
         parsed = take_sampling(params, default_max_tokens=2048) | take_thinking(params, default=True)
         if (focus := take_str(params, "focus")) is not None:
             parsed["focus"] = focus
-        return parsed
+        return parsed | take_scan(params)
 
     def requests(self, doc: Document, model: ModelInfo) -> list[EngineRequest]:
         lines = decode_text(doc).split("\n")
@@ -71,6 +74,7 @@ class CodeReview(JobKind):
         findings = [finding for out in outputs for finding in parse_findings(out.text or "")]
         findings.sort(key=lambda f: (f["line"] is None, f["line"] or 0))
         output = {"path": doc.path, "language": language_of(doc.path), "chunks": len(outputs)}
+        output["model"] = next((out.model for out in outputs if out.model), None)
         output["findings"] = findings
         return DocumentResult(status="done", output=output, usage=usage, reasoning=reasoning)
 

@@ -17,7 +17,12 @@ from jobs.bounded_json import json_type
 MAX_STRING_PARAM = 1_000_000  # characters of one text parameter (instructions, a JSON Schema...)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what a 64-bit generator seed can hold
 MAX_TOKENS_LIMIT = 2**31 - 1
+MAX_LIST_ITEMS = 256  # items of one list parameter (the globs of include, say)
+MAX_LIST_ITEM = 1024  # characters of one item
+_MAX_LIST_TEXT = MAX_LIST_ITEMS * (MAX_LIST_ITEM + 1)
 _INTEGER = re.compile(r"[+-]?[0-9]{1,40}")
+# A git revision as `git rev-parse` takes it: no whitespace or control characters, never an option.
+_REVISION = re.compile(r"[^\s\x00-\x1f\x7f-][^\s\x00-\x1f\x7f]{0,255}")
 
 
 class JobParamError(ValueError):
@@ -101,6 +106,72 @@ def take_str(params: dict[str, Any], name: str, default: str | None = None) -> s
     value = value.strip()
     if not value:
         raise JobParamError(f"{name} must not be empty")
+    return value
+
+
+def take_list(params: dict[str, Any], name: str) -> list[str] | None:
+    """Pop `name` as a list of non-empty strings: comma-separated text (the command line) or a JSON list of
+    strings (a manifest); surrounding whitespace is removed. None when absent."""
+    value = params.pop(name, None)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if len(value) > _MAX_LIST_TEXT:
+            raise JobParamError(f"{name} is {len(value)} characters; the limit is {_MAX_LIST_TEXT}")
+        value = value.split(",")
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise JobParamError(f"{name} must be comma-separated text or a list of strings (got {_got(value)})")
+    items = [item.strip() for item in value if item.strip()]
+    if not items:
+        raise JobParamError(f"{name} must name at least one item")
+    if len(items) > MAX_LIST_ITEMS:
+        raise JobParamError(f"{name} has {len(items)} items; the limit is {MAX_LIST_ITEMS}")
+    if (longest := max(len(item) for item in items)) > MAX_LIST_ITEM:
+        raise JobParamError(f"{name} has an item of {longest} characters; the limit is {MAX_LIST_ITEM}")
+    return items
+
+
+def take_globs(params: dict[str, Any], name: str) -> list[str] | None:
+    """Pop `name` as gitignore-style patterns (each as one line of a .gitignore: `*.py` matches at any
+    depth, `docs/` a folder, `/setup.py` the root only, `**` any folders, `!` re-includes), comma-separated
+    (a pattern cannot hold a comma). None when absent."""
+    from pathspec import GitIgnoreSpec
+
+    patterns = take_list(params, name)
+    for index, pattern in enumerate(patterns or []):
+        try:
+            GitIgnoreSpec.from_lines([pattern])
+        except ValueError:  # pathspec's pattern error (`!` or `\\` alone) is a ValueError
+            raise JobParamError(f"{name}: pattern {index + 1} is not a gitignore-style pattern") from None
+    return patterns
+
+
+def take_choices(
+    params: dict[str, Any], name: str, allowed: tuple[str, ...], default: tuple[str, ...]
+) -> list[str]:
+    """Pop `name` as a subset of `allowed` (comma-separated, or "none" for the empty set), sorted; `default`
+    when absent."""
+    value = params.get(name)
+    if value == [] or (isinstance(value, str) and value.strip().lower() == "none"):
+        params.pop(name)
+        return []
+    items = take_list(params, name)
+    if items is None:
+        return sorted(default)
+    if any(item not in allowed for item in items):
+        raise JobParamError(f"{name} must be none or a comma-separated list of: {', '.join(allowed)}")
+    return sorted(set(items))
+
+
+def take_revision(params: dict[str, Any], name: str) -> str | None:
+    """Pop `name` as a git revision (a SHA, branch, tag, or an expression such as HEAD~2): no whitespace or
+    control characters, not starting with - (so it never reads as an option of git)."""
+    value = take_str(params, name)
+    if value is not None and not _REVISION.fullmatch(value):
+        raise JobParamError(
+            f"{name} must be a git revision such as a SHA, a branch or a tag (at most 256 characters, no "
+            "spaces, not starting with -)"
+        )
     return value
 
 

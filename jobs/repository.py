@@ -1,4 +1,6 @@
-"""Which files of a repository to review: .gitignore honoured, vendored, binary and huge files skipped."""
+"""The plain folder walk of a repository scan, for a folder that is not a git work tree: .gitignore files
+honoured (the root's and nested ones), symlinks and vendored folders skipped, each file judged by the rules
+of `jobs.scan_rules`. Also each file's language, for prompts and reports."""
 
 from __future__ import annotations
 
@@ -8,16 +10,7 @@ from pathlib import Path, PurePosixPath
 
 from pathspec import GitIgnoreSpec
 
-VENDORED_DIRS = frozenset(
-    "node_modules vendor third_party .venv venv __pycache__ dist build site-packages".split()
-)
-BINARY_EXTENSIONS = frozenset(
-    ".png .jpg .jpeg .gif .bmp .ico .webp .tif .tiff .psd .pdf .doc .docx .xls .xlsx .ppt .pptx .odt "
-    ".zip .gz .tgz .bz2 .xz .zst .7z .rar .tar .jar .war .whl .egg .so .dll .dylib .exe .bin .o .a .lib "
-    ".obj .class .pyc .pyo .pyd .wasm .woff .woff2 .ttf .otf .eot .mp3 .mp4 .wav .ogg .flac .avi .mov "
-    ".mkv .webm .sqlite .sqlite3 .db .npy .npz .pt .pth .safetensors .onnx .pkl .pickle .h5 .parquet".split()
-)
-SNIFF_BYTES = 8192
+from jobs.scan_rules import HEAD_BYTES, Rules, ScanOptions, is_vendored
 
 _LANGUAGES = {
     ".py": "Python", ".pyi": "Python", ".js": "JavaScript", ".mjs": "JavaScript", ".cjs": "JavaScript",
@@ -38,21 +31,23 @@ _FILE_NAMES = {"Dockerfile": "Dockerfile", "Makefile": "Makefile", "CMakeLists.t
 class RepositoryFiles:
     """Files to review (posix paths relative to the root, sorted) and what was skipped, with why.
 
-    Reasons: "vendored" (a directory, listed with a trailing /), "binary", "too large", "empty", "symlink",
-    "unreadable". Files matched by .gitignore are left out silently.
+    Reasons: "vendored" (a directory, listed with a trailing /), "symlink", "unreadable", and those of
+    `jobs.scan_rules` ("binary", "too large", "empty", "lockfile", "minified", "generated", "excluded"...).
+    Files matched by .gitignore are left out silently.
     """
 
     files: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
-def walk_repository(root: Path, max_file_bytes: int = 1_000_000) -> RepositoryFiles:
-    """Walk `root` without following symlinks, honouring the root's and nested .gitignore files."""
+def walk_repository(root: Path, options: ScanOptions | None = None) -> RepositoryFiles:
+    """Walk `root` without following symlinks, honouring the root's and nested .gitignore files; files are
+    judged by the rules of `options` (default: `ScanOptions()`)."""
     root = Path(root)
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is not a directory")
     found = RepositoryFiles()
-    _walk(root, "", [], found, max_file_bytes)
+    _walk(root, "", [], found, Rules(options or ScanOptions()))
     found.files.sort()
     found.skipped.sort()
     return found
@@ -66,15 +61,10 @@ def language_of(path: str) -> str:
     return _LANGUAGES.get(PurePosixPath(name).suffix.lower(), "text")
 
 
-def is_vendored(name: str) -> bool:
-    """Whether a directory of this name holds third-party or generated code."""
-    return name in VENDORED_DIRS or name.endswith(".egg-info")
-
-
 Specs = list[tuple[str, GitIgnoreSpec]]  # (directory prefix like "src/", its .gitignore), outermost first
 
 
-def _walk(directory: Path, prefix: str, specs: Specs, found: RepositoryFiles, max_bytes: int) -> None:
+def _walk(directory: Path, prefix: str, specs: Specs, found: RepositoryFiles, rules: Rules) -> None:
     gitignore = directory / ".gitignore"
     if gitignore.is_file() and not gitignore.is_symlink():
         try:
@@ -97,12 +87,12 @@ def _walk(directory: Path, prefix: str, specs: Specs, found: RepositoryFiles, ma
             continue
         if entry.is_symlink():
             found.skipped.append((path, "symlink"))
-        elif is_dir and is_vendored(entry.name):
+        elif is_dir and "vendored" in rules.options.skip and is_vendored(entry.name):
             found.skipped.append((path + "/", "vendored"))
         elif is_dir:
-            _walk(Path(entry.path), path + "/", specs, found, max_bytes)
+            _walk(Path(entry.path), path + "/", specs, found, rules)
         elif entry.is_file(follow_symlinks=False):
-            reason = _skip_reason(entry, max_bytes)
+            reason = _skip_reason(entry, path, rules)
             if reason is None:
                 found.files.append(path)
             else:
@@ -120,17 +110,14 @@ def _ignored(specs: Specs, path: str, is_dir: bool) -> bool:
     return ignored
 
 
-def _skip_reason(entry: os.DirEntry, max_bytes: int) -> str | None:
-    if PurePosixPath(entry.name).suffix.lower() in BINARY_EXTENSIONS:
-        return "binary"
+def _skip_reason(entry: os.DirEntry, path: str, rules: Rules) -> str | None:
+    if reason := rules.path_reason(path):
+        return reason
     try:
-        size = entry.stat(follow_symlinks=False).st_size
-        if size > max_bytes:
-            return "too large"
-        if size == 0:
-            return "empty"
+        if reason := rules.size_reason(entry.stat(follow_symlinks=False).st_size):
+            return reason
         with open(entry.path, "rb") as file:
-            head = file.read(SNIFF_BYTES)
+            head = file.read(HEAD_BYTES)
     except OSError:
         return "unreadable"
-    return "binary" if b"\0" in head else None
+    return rules.content_reason(head)

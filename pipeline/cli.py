@@ -304,7 +304,7 @@ def submit(
     if result.rejected:
         note += f", {len(result.rejected)} refused at submit (e.g. {result.rejected[0][1]})"
     if result.skipped:
-        note += f", {len(result.skipped)} files skipped (binary, vendored or too large)"
+        note += f", {len(result.skipped)} files skipped (report.md lists them with why)"
     if not result.dispatched:
         note += "; broker unreachable: workers pick the job up when it is back"
     err.print(note)
@@ -449,6 +449,7 @@ def results(ctx: click.Context, job: str, out_dir: Path, partial: bool, as_json:
     from collections import Counter
 
     from pipeline import client as c
+    from pipeline import scan_records
     from pipeline.results_files import write_results
 
     session = _session(ctx)
@@ -463,7 +464,8 @@ def results(ctx: click.Context, job: str, out_dir: Path, partial: bool, as_json:
                 refused.append(record["error"])
             yield record
 
-    files = write_results(out_dir, job_info.kind, counted())
+    scan = scan_records.load(session.settings.home, session.identity, job_info.job_id)
+    files = write_results(out_dir, job_info.kind, counted(), scan)
     total = sum(counts.values())
     summary = {
         "job_id": job_info.job_id,

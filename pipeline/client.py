@@ -18,8 +18,9 @@ from jobs import make_kind
 from jobs.base import INVALID_REQUEST
 from jobs.openai_batch import BadLine, BatchFileError, read_batch_file
 from jobs.records import Record, RecordsError, read_records
-from jobs.repository import walk_repository
-from pipeline import api_client, envelope, keys
+from jobs.scan import GitBlob, GitError, ScanOptions, scan_folder
+from jobs.scan_record import ScanRecord
+from pipeline import api_client, envelope, keys, scan_records
 from pipeline.canonical import canonical_json
 from pipeline.errors import UserError
 from pipeline.reasons import bounded
@@ -87,13 +88,18 @@ class ClientSession:
         self.api.close()
 
 
-def collect_files(paths: list[Path], kind: str) -> tuple[list[tuple[str, Path]], list[tuple[str, str]]]:
-    """(document path, file) pairs for the given files and folders, and what was skipped.
+def collect_files(
+    paths: list[Path], kind: str, options: ScanOptions | None = None
+) -> tuple[list[tuple[str, Path | GitBlob]], list[tuple[str, str]], ScanRecord | None]:
+    """(document path, file) pairs for the given files and folders, what was skipped, and for code-review
+    the scan record (else None).
 
     A file keeps its name; files in a folder are named relative to it (prefixed with the folder's name when
-    several folders are given). Repositories for code-review are walked honouring .gitignore.
+    several folders are given). Folders for code-review are scanned with `options` (`jobs.scan`: git's
+    tracked files, or the folder walked honouring .gitignore); a file named on its own is always sent.
     """
-    found: list[tuple[str, Path]] = []
+    record = ScanRecord() if kind == "code-review" else None
+    found: list[tuple[str, Path | GitBlob]] = []
     skipped: list[tuple[str, str]] = []
     folders = [p for p in paths if p.is_dir()]
     for path in paths:
@@ -103,10 +109,14 @@ def collect_files(paths: list[Path], kind: str) -> tuple[list[tuple[str, Path]],
             found.append((path.name, path))
             continue
         prefix = f"{path.name}/" if len(folders) > 1 else ""
-        if kind == "code-review":
-            repo = walk_repository(path)
-            found += [(prefix + rel, path / rel) for rel in repo.files]
+        if record is not None:
+            try:
+                repo = scan_folder(path, options)
+            except GitError as exc:
+                raise ClientError(str(exc)) from None
+            found += [(prefix + rel, source) for rel, source in repo.files]
             skipped += [(prefix + rel, why) for rel, why in repo.skipped]
+            record.sources.append(repo.source.model_copy(update={"name_prefix": prefix}))
         else:
             for file in sorted(p for p in path.rglob("*") if p.is_file() and not p.is_symlink()):
                 rel = file.relative_to(path)
@@ -117,7 +127,9 @@ def collect_files(paths: list[Path], kind: str) -> tuple[list[tuple[str, Path]],
         raise ClientError(f"two documents would both be named {dupes[0]!r}; submit them separately")
     if not found:
         raise ClientError("no documents to submit")
-    return found, skipped
+    if record is not None:
+        record.skipped = skipped
+    return found, skipped, record
 
 
 def new_job_id() -> str:
@@ -136,11 +148,19 @@ def submit_files(
     announce: Callable[[str], None] | None = None,
 ) -> Submitted:
     """Seal the files under `paths` and store them as job `job_id` (default: a new id); workers are told by
-    shard id. `announce(job_id)` is called once the job is claimed, before the first document is stored."""
+    shard id. `announce(job_id)` is called once the job is claimed, before the first document is stored; a
+    code-review job's scan record is stored then too (`pipeline.scan_records`)."""
     job_kind = make_kind(kind, params)  # validates before anything is read or stored
-    files, skipped = collect_files(paths, kind)
+    files, skipped, scan = collect_files(paths, kind, ScanOptions.from_params(job_kind.params))
     documents = _read_files(files, session.settings.limits.max_document_bytes)
-    result = _store(session, job_kind.name, job_kind.params, documents, name, priority, job_id, announce)
+
+    def claimed(job: str) -> None:
+        if scan is not None:
+            scan_records.save(session.settings.home, session.identity, job, scan)
+        if announce is not None:
+            announce(job)
+
+    result = _store(session, job_kind.name, job_kind.params, documents, name, priority, job_id, claimed)
     result.skipped = skipped
     return result
 
@@ -221,7 +241,7 @@ def _batch_document(line) -> NewDocument:
     return NewDocument(line.custom_id, line.raw, len(line.raw))
 
 
-def _read_files(files: list[tuple[str, Path]], limit: int) -> Iterator[NewDocument]:
+def _read_files(files: list[tuple[str, Path | GitBlob]], limit: int) -> Iterator[NewDocument]:
     """Each file as a document, read only when its turn comes (memory holds one file at a time)."""
     for doc_name, file in files:
         size = file.stat().st_size

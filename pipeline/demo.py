@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.demo_model import LABEL
-from pipeline import audit, keys
+from pipeline import audit, keys, scan_records
 from pipeline.client import ClientSession, fetch_results, submit_files
 from pipeline.db import Database
 from pipeline.home import init
@@ -77,7 +77,8 @@ def run_demo(keep: bool = False) -> int:
         failures = []
         for kind, job in jobs:
             _, records = fetch_results(session, job.job_id)
-            files = write_results(home / "results" / job.job_id[:8], kind, records)
+            scan = scan_records.load(settings.home, session.identity, job.job_id)
+            files = write_results(home / "results" / job.job_id[:8], kind, records, scan)
             done = sum(r["status"] == "done" for r in records)
             failed = [r for r in records if r["status"] == "failed"]
             failures += [(kind, r["document"], r["error"]) for r in failed]

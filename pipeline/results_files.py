@@ -1,7 +1,7 @@
-"""Write opened results on the client: results.jsonl always, report.md for code review, output.jsonl (the
-OpenAI batch output format) for OpenAI batches. Files are created 0600: they hold plaintext. Records are
-written as they come (a page of results at a time), so a large job is never held whole; only the code-review
-report, which sorts its findings, keeps its records."""
+"""Write opened results on the client: results.jsonl always, report.md and report.sarif (SARIF 2.1.0) for
+code review, output.jsonl (the OpenAI batch output format) for OpenAI batches. Files are created 0600: they
+hold plaintext. Records are written as they come (a page of results at a time), so a large job is never held
+whole; only the code-review reports, which sort their findings, keep its records."""
 
 from __future__ import annotations
 
@@ -13,13 +13,18 @@ from typing import TextIO
 
 from jobs.code_review import build_report
 from jobs.openai_batch import output_line
+from jobs.sarif import build_sarif
+from jobs.scan_record import ScanRecord
 
 REFUSED_CODE = "result_refused"  # the result did not carry the service's valid signature
 
 
-def write_results(out_dir: Path, kind: str, records: Iterable[dict]) -> list[Path]:
+def write_results(
+    out_dir: Path, kind: str, records: Iterable[dict], scan: ScanRecord | None = None
+) -> list[Path]:
     """Write the records; a record's `detail` (the full reason of a failure, possibly quoting the document)
-    goes into the files too, since they are the submitter's plaintext."""
+    goes into the files too, since they are the submitter's plaintext. `scan` is a code-review job's scan
+    record (`pipeline.scan_records`), for the reports' header and skipped files."""
     out_dir.mkdir(parents=True, exist_ok=True)
     files = [out_dir / "results.jsonl"] + ([out_dir / "output.jsonl"] if kind == "chat" else [])
     reviewed: list[tuple[str, dict]] = []
@@ -45,8 +50,11 @@ def write_results(out_dir: Path, kind: str, records: Iterable[dict]) -> list[Pat
     if kind == "code-review":
         report = _open(out_dir / "report.md")
         with report:
-            report.write(build_report(reviewed))
-        files.insert(1, out_dir / "report.md")
+            report.write(build_report(reviewed, scan))
+        sarif = _open(out_dir / "report.sarif")
+        with sarif:
+            sarif.write(json.dumps(build_sarif(reviewed, scan), ensure_ascii=False, indent=1) + "\n")
+        files[1:1] = [out_dir / "report.md", out_dir / "report.sarif"]
     return files
 
 

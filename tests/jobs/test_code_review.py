@@ -6,6 +6,7 @@ from jobs import make_kind
 from jobs.base import DocumentError
 from jobs.code_review import build_report
 from jobs.findings import parse_findings
+from jobs.scan_record import ScanRecord
 from tests.jobs.factories import FakeModel, doc, make_output
 
 SOURCE = "".join(f"value_{i} = compute({i}) + offset\n" for i in range(1, 121))
@@ -85,6 +86,15 @@ def test_result_merges_chunks_and_sorts_by_line():
     assert (result.output["language"], result.output["chunks"]) == ("Go", 3)
     assert [f["issue"] for f in result.output["findings"]] == ["a", "b", "free text"]
     assert result.usage["prompt_tokens"] == 30
+    assert result.output["model"] is None  # hand-built outputs name no model
+
+
+def test_result_names_the_served_model():
+    output = make_output("[]")
+    output.model = "Qwen3.6-35B-A3B"
+    assert (
+        make_kind("code-review", {}).result(doc("x = 1\n", "a.py"), [output]).output["model"] == output.model
+    )
 
 
 def test_build_report():
@@ -111,10 +121,10 @@ def test_build_report():
             ],
         ),
     ]
-    report = build_report(results, skipped=[("node_modules/", "vendored")], title="Review of repo")
-    assert report.startswith(
-        "# Review of repo\n\n| Files reviewed | Failed | Skipped | High | Medium | Low | Note |"
-    )
+    scan = ScanRecord(skipped=[("node_modules/", "vendored")])
+    report = build_report(results, scan, title="Review of repo")
+    assert report.startswith("# Review of repo\n")
+    assert "\n| Files reviewed | Failed | Skipped | High | Medium | Low | Note |\n" in report
     assert "| 3 | 1 | 1 | 1 | 0 | 1 | 1 |" in report
     assert (
         report.index("## `a.py`")
@@ -127,4 +137,7 @@ def test_build_report():
     assert "_Python, reviewed in 2 parts_" in report
     assert "**Failed:** document is not valid UTF-8 (first bad byte at offset 0)" in report
     assert "  > free\n  > text" in report
-    assert "## Skipped\n\n- `node_modules/`: vendored" in report
+    assert (
+        "## Skipped\n\n| Reason | Files |\n| --- | --- |\n| vendored | 1 |\n\n- `node_modules/`: vendored"
+        in report
+    )

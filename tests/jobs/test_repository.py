@@ -3,6 +3,7 @@ import os
 import pytest
 
 from jobs.repository import language_of, walk_repository
+from jobs.scan_rules import ScanOptions
 
 
 def write(root, path, data: bytes | str = "x = 1\n"):
@@ -38,7 +39,7 @@ def repo(tmp_path):
 
 
 def test_walk_honours_gitignore_and_skips_what_is_not_source(repo):
-    found = walk_repository(repo, max_file_bytes=1000)
+    found = walk_repository(repo, ScanOptions(max_file_bytes=1000))
     assert found.files == [
         ".gitignore",
         "main.py",
