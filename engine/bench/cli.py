@@ -21,6 +21,8 @@ and the percentage of the roofline that is:
         against vLLM's figure: (h) 1,000 x 1,024+128 at 512 concurrent (50,465 total tok/s); (i) 100 x
         32,000+100, all submitted (56,424 total tok/s); (j) 1,000 x 1,000+2,000 at 200 concurrent (8,146
         output tok/s)
+    (k) constrained decoding: (b)'s decode steps with every request held to a mid-size JSON schema against
+        the same run without, at batch 1 and (b)'s sizes (the ratio of step times; needs llguidance)
 
 Workloads (a)-(c), (e) and (f) drive an `EngineCore` directly, so each step is timed on its own (the
 first decode steps of each run are left untimed: compiles, graph captures); (d) and (h)-(j) go through the
@@ -63,7 +65,7 @@ from engine.options import QUANTIZATIONS, EngineOptions
 log = logging.getLogger(__name__)
 
 DEFAULT_JSON = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "bench.json"
-WORKLOADS = "abcdefghij"
+WORKLOADS = "abcdefghijk"
 
 
 def load(

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +22,9 @@ from engine.planner import plan_for
 from engine.runner import Drafter
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:  # the grammar library loads only when a constrained workload runs
+    from engine.grammar import GrammarState
 
 
 @dataclass
@@ -78,11 +82,30 @@ class Bench:
         g = torch.Generator().manual_seed(self.settings.seed)
         return torch.randint(0, self.config.vocab_size, (n, length), generator=g).tolist()
 
-    def add(self, core: EngineCore, n: int, prompt_len: int, max_tokens: int, max_len: int) -> list[Sequence]:
-        """Queue `n` greedy requests of random tokens that ignore EOS."""
+    def add(
+        self,
+        core: EngineCore,
+        n: int,
+        prompt_len: int,
+        max_tokens: int,
+        max_len: int,
+        grammar: Callable[[], GrammarState] | None = None,
+    ) -> list[Sequence]:
+        """Queue `n` greedy requests of random tokens that ignore EOS; `grammar` makes each one's constraint
+        state (workload (k))."""
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         seqs = [
-            Sequence(i, ids, params, None, set(), None, max_len, self.device)
+            Sequence(
+                i,
+                ids,
+                params,
+                None,
+                set(),
+                None,
+                max_len,
+                self.device,
+                grammar=grammar() if grammar else None,
+            )
             for i, ids in enumerate(self.prompts(n, prompt_len))
         ]
         for seq in seqs:
@@ -154,15 +177,18 @@ class Bench:
             core.step()
 
 
-def decode_point(b: Bench, batch: int, prompt_len: int, steps: int) -> dict[str, Any]:
-    """`batch` sequences prefilled, then timed decode steps with all of them running."""
+def decode_point(
+    b: Bench, batch: int, prompt_len: int, steps: int, grammar: Callable[[], GrammarState] | None = None
+) -> dict[str, Any]:
+    """`batch` sequences prefilled, then timed decode steps with all of them running (each held to the
+    constraint `grammar` makes, if given)."""
     deadline = b.deadline()
     # Sequences prefilled early decode while later ones prefill: leave them room to keep the batch full.
     room = -(-batch * prompt_len // b.settings.max_num_batched_tokens) + 1
     max_tokens = 1 + room + WARMUP_STEPS + steps
     max_len = prompt_len + max_tokens + 8
     core = b.core(batch, max_len)
-    seqs = b.add(core, batch, prompt_len, max_tokens, max_len)
+    seqs = b.add(core, batch, prompt_len, max_tokens, max_len, grammar)
     prefill_s, prefill_steps, done = b.prefill(core, seqs, deadline)
     point: dict[str, Any] = {
         "batch": batch,

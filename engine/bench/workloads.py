@@ -7,6 +7,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+from engine.bench.constrained import constrained
 from engine.bench.device import free
 from engine.bench.harness import Bench, decode_point
 from engine.bench.measure import guarded
@@ -201,4 +202,5 @@ RUNNERS: dict[str, tuple[str, Callable[[Bench], list[dict[str, Any]]]]] = {
     "h": ("vLLM's 1,024 in / 128 out at 512 concurrent", peer("h")),
     "i": ("vLLM's 32,000 in / 100 out", peer("i")),
     "j": ("vLLM's 1,000 in / 2,000 out at 200 concurrent", peer("j")),
+    "k": ("constrained decoding: (b) with and without a mid-size JSON schema", constrained),
 }

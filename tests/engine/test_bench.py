@@ -282,3 +282,28 @@ def test_submit_all_stops_at_the_deadline_with_the_concurrency_in_flight(concurr
     engine = SlowEngine(finish=False)  # nothing ever finishes: only a limit holds requests back
     futures = submit_all(engine, [[i] for i in range(20)], None, concurrency, time.perf_counter() + 0.2)
     assert len(futures) == engine.submitted == submitted
+
+
+def test_synthetic_tokenizer_has_the_models_vocabulary_and_round_trips_json():
+    from engine.bench.constrained import synthetic_tokenizer
+
+    backend = synthetic_tokenizer(248_320).backend
+    assert backend.get_vocab_size() == 248_320
+    text = '{"patient_id": "AB123456", "age": 42, "diagnoses": [{"code": "J45", "confirmed": true}]}'
+    ids = backend.encode(text).ids
+    assert backend.decode(ids) == text and len(ids) < 0.6 * len(text)  # merged tokens, not bytes
+    with pytest.raises(ValueError):
+        synthetic_tokenizer(100)
+
+
+def test_constrained_workload_runs_plain_and_held_to_the_schema(tmp_path):
+    path = tmp_path / "bench.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--quick", "--workloads", "k"]
+    assert bench.main([*argv, "--batches", "4", "--max-seconds", "60", "--json", str(path)]) == 0
+    points = json.loads(path.read_text())["workloads"]["k"]
+    assert [p["batch"] for p in points] == [1, 4]
+    for p in points:
+        assert "error" not in p, p
+        assert p["plain"]["decode_steps"] > 0 and p["constrained"]["decode_steps"] > 0
+        assert p["constrained"]["batch"] == p["plain"]["batch"] == p["batch"]  # none finished early
+        assert p["overhead"] == p["ms_per_step"] / p["plain_ms_per_step"] - 1
