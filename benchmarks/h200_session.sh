@@ -6,6 +6,9 @@
 #   STEPS="micro profile" ...   kernel microbenchmarks (benchmarks/kernels_*.py) and one-step profiles
 # Writes under $OUT: gpu.txt (GPU and stack), kernels.txt (kernel tests compiled on the GPU), gpu_tests.txt
 # (`-m gpu` tests), batching_*.{txt,json}, micro.txt + kernels_*.json, profile_*.txt and bench.{txt,json}.
+# The constrained step's wheel, fetched here first: `echo /.whl/ >> .git/info/exclude; python3 -m pip download
+# --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_31_x86_64 -d .whl
+# llguidance==1.9.1` (one abi3 wheel, no dependencies), then run with carry [".whl"].
 # While helpers edit the working tree, send a committed snapshot instead: here, `echo /.snap/ >>
 # .git/info/exclude; rm -rf .snap; mkdir .snap; git archive HEAD | tar -x -C .snap`, then run with carry
 # [".snap"] and `cd .snap && ...`. $OUT returns at most 8 files: write under a scratch folder and tar it.
@@ -57,6 +60,14 @@ for step in $STEPS; do
     fp8_tiles)  # the dense FP8 GEMM's tiles at the real projections; merges the winners into the GPU's table
       run fp8_tiles 300 python benchmarks/fp8_gemm_tiles.py --json "$OUT/fp8_tiles.json" --write-config
       cp engine/kernels/fp8/configs/*.json "$OUT/" ;;
+    gemm_lab)  # prefill GEMMs: dense FP8 (ours, cuBLASLt, bf16), grouped experts over tiles, torch's grouped GEMMs
+      run gemm_lab "${LAB_LIMIT:-240}" python benchmarks/gemm_lab.py --parts "${LAB_PARTS:-probe,dense,grouped,torch}" \
+        --json "$OUT/gemm_lab.json" ;;
+    constrained)  # (k) needs llguidance, absent from the GPU image: carry its cp312 wheel in .whl (see below)
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/llguidance-*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      run "bench_k" "${BENCH_LIMIT:-300}" python -m engine.bench --preset qwen3.5-35b-a3b --workloads k \
+        --batches 64,256 --json "$OUT/bench_k.json" "$@" ;;
     bench)  # BENCH_TAG names the files when one call runs several benches; BENCH_LIMIT caps the seconds
       run "bench${BENCH_TAG:-}" "${BENCH_LIMIT:-540}" python -m engine.bench --preset qwen3.5-35b-a3b \
         --json "$OUT/bench${BENCH_TAG:-}.json" "$@" ;;
