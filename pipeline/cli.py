@@ -493,18 +493,45 @@ def audit() -> None:
 
 @audit.command("log")
 @click.option("--job", help="Only this job's events (its id, or a prefix).")
+@click.option("--action", "actions", multiple=True, help="Only events of this action (repeat for several).")
+@click.option(
+    "--since",
+    help="Only events at or after this time: ISO 8601 (UTC unless it says), or an age: 30m, 12h, 7d.",
+)
+@click.option("--until", help="Only events before this time (as --since).")
+@click.option("--newest-first", is_flag=True, help="Newest first (with --limit: the latest events).")
 @click.option("--limit", type=click.IntRange(1, 10_000_000), default=200)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def audit_log(ctx: click.Context, job: str | None, limit: int, as_json: bool) -> None:
-    """Show audit events, oldest first (administrators)."""
+def audit_log(
+    ctx: click.Context,
+    job: str | None,
+    actions: tuple[str, ...],
+    since: str | None,
+    until: str | None,
+    newest_first: bool,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """Show audit events, oldest first unless --newest-first (administrators)."""
+    now = time.time()
+    filters = {
+        "job": job,
+        "actions": actions,
+        "since": _log_time(since, now, "--since"),
+        "until": _log_time(until, now, "--until"),
+        "newest_first": newest_first,
+    }
     api = _session(ctx).api
     rows: list[dict] = []
-    after: int | None = 0
-    while after is not None and len(rows) < limit:
-        page = api.audit(after, min(1000, limit - len(rows)), job)
+    cursor: dict[str, int] = {}
+    while len(rows) < limit:
+        page = api.audit(**filters, **cursor, limit=min(1000, limit - len(rows)))
         rows += [e.model_dump(mode="json") for e in page.events]
-        after = page.next_after
+        following = page.next_before if newest_first else page.next_after
+        if following is None:
+            break
+        cursor = {"before": following} if newest_first else {"after": following}
     if as_json:
         return emit(rows)
     table = Table("seq", "at", "actor", "action", "job", "document", "outcome")
@@ -519,6 +546,27 @@ def audit_log(ctx: click.Context, job: str | None, limit: int, as_json: bool) ->
             r["outcome"],
         )
     out.print(table)
+
+
+def _log_time(text: str | None, now: float, option: str) -> str | None:
+    """`--since`/`--until` as the log's UTC time format: an ISO 8601 time (naive means UTC) or an age."""
+    from datetime import UTC, datetime, timedelta
+
+    if text is None:
+        return None
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip()
+    try:
+        if text[:-1].isdigit() and text[-1:] in units:
+            when = datetime.fromtimestamp(now, UTC) - timedelta(seconds=int(text[:-1]) * units[text[-1]])
+        else:
+            when = datetime.fromisoformat(text)
+            when = when.replace(tzinfo=UTC) if when.tzinfo is None else when.astimezone(UTC)
+    except (ValueError, OverflowError):
+        raise UserError(
+            f"{option} must be an ISO 8601 time (2026-05-01, 2026-05-01T08:00Z) or an age (30m, 12h, 7d)"
+        ) from None
+    return when.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @audit.command("verify")
