@@ -5,7 +5,9 @@ without rereading the log). Checkpoints from before this revision keep both empt
 An index on `audit_events.at` serves `enclave audit log --since/--until`. The audit tables stay
 append-only: adding columns and an index fires no row trigger.
 
-Downgrading is refused once a tree head is signed: the older code would take its signature for a forgery.
+Downgrading drops the index and keeps both columns, with their values: the audit tables are append-only,
+across migrations too, and older code ignores the columns (its `audit verify` reads a tree head's signature
+as a forgery until the database is upgraded again). Upgrading again finds them in place.
 
 Revision ID: 0007
 Revises: 0006
@@ -21,22 +23,13 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.add_column("audit_checkpoints", sa.Column("root_hash", sa.String(64), nullable=True))
-    op.add_column("audit_checkpoints", sa.Column("tree_state", sa.Text(), nullable=True))
+    present = {c["name"] for c in sa.inspect(op.get_bind()).get_columns("audit_checkpoints")}
+    if "root_hash" not in present:  # absent unless a downgrade below 0007 kept them
+        op.add_column("audit_checkpoints", sa.Column("root_hash", sa.String(64), nullable=True))
+    if "tree_state" not in present:
+        op.add_column("audit_checkpoints", sa.Column("tree_state", sa.Text(), nullable=True))
     op.create_index("ix_audit_events_at", "audit_events", ["at"])
 
 
 def downgrade() -> None:
-    signed = (
-        op.get_bind()
-        .execute(sa.text("SELECT COUNT(*) FROM audit_checkpoints WHERE root_hash IS NOT NULL"))
-        .scalar_one()
-    )
-    if signed:
-        raise RuntimeError(
-            f"refusing to downgrade below 0007: {signed} signed tree heads of the audit log would lose their "
-            "roots, and `enclave audit verify` of older code would report them as forged"
-        )
     op.drop_index("ix_audit_events_at", "audit_events")
-    op.drop_column("audit_checkpoints", "tree_state")
-    op.drop_column("audit_checkpoints", "root_hash")

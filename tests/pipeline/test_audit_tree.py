@@ -326,7 +326,9 @@ def test_a_head_is_parsed_strictly(change, words):
     assert "the file line 4" in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_migration_0007_keeps_the_audit_tables_append_only_and_refuses_to_drop_signed_roots(db_url, service):
+def test_migration_0007_keeps_the_audit_tables_append_only_and_the_signed_roots_across_a_downgrade(
+    db_url, service
+):
     from sqlalchemy.exc import DBAPIError
 
     from pipeline import migrate
@@ -337,8 +339,11 @@ def test_migration_0007_keeps_the_audit_tables_append_only_and_refuses_to_drop_s
     for statement in ("UPDATE audit_checkpoints SET root_hash = NULL", "DELETE FROM audit_checkpoints"):
         with pytest.raises(DBAPIError, match="append-only"), db.engine.begin() as c:
             c.execute(text(statement))
-    with pytest.raises(RuntimeError, match="refusing to downgrade below 0007: 1 signed tree heads"):
-        migrate.downgrade(db.engine, "0006")
+    roots = [c["root_hash"] for c in _checkpoints(db)]
+    migrate.downgrade(db.engine, "0006")
+    assert [c["root_hash"] for c in _checkpoints(db)] == roots  # evidence is not dropped with the index
+    migrate.upgrade(db.engine)
     assert migrate.current_revision(db.engine) == migrate.head_revision()
-    assert _verify(db, service).ok
+    _grow(db, service, 3, every=3, start=3)
+    assert _verify(db, service, _kept(service.external)) == audit.VerifyReport(True, 6, 2, kept=2)
     db.dispose()
