@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Row, event, func, select, text
+from sqlalchemy import Row, func, select, text
+from sqlalchemy import event as orm_event
 from sqlalchemy.orm import Session
 
 from jobs.bounded_json import has_lone_surrogate
@@ -176,9 +177,9 @@ def maybe_checkpoint(
 
 def _publish_after_commit(session: Session, head: SignedHead, publish: Publish) -> None:
     session.info.setdefault(_PENDING, []).append((head, publish))
-    if not event.contains(session, "after_commit", _published):
-        event.listen(session, "after_commit", _published)
-        event.listen(session, "after_rollback", _dropped)
+    if not orm_event.contains(session, "after_commit", _published):
+        orm_event.listen(session, "after_commit", _published)
+        orm_event.listen(session, "after_rollback", _dropped)
 
 
 def _published(session: Session) -> None:
@@ -235,9 +236,8 @@ def verify(session: Session, *, verify_signature: Verifier, kept: Sequence[KeptH
             "the audit log is empty: `enclave init` records its first event, so a wiped log looks like this",
         )
     else:
-        bad = None
-    report = VerifyReport(ok=bad is None, rows=rows, checkpoints=len(checkpoints), kept=len(kept))
-    return report if bad is None else VerifyReport(False, rows, len(checkpoints), *bad, kept=len(kept))
+        return VerifyReport(True, rows, len(checkpoints), kept=len(kept))
+    return VerifyReport(False, rows, len(checkpoints), *bad, kept=len(kept))
 
 
 def _check_row(row: Row[Any], seq: int, prev_hash: str) -> tuple[int, str] | None:
