@@ -74,7 +74,7 @@ class SignedHead:
             raise HeadError(f"{where} is not a signed tree head (a JSON object)")
         if set(data) != set(_FIELDS):
             missing, extra = sorted(set(_FIELDS) - set(data)), sorted(set(data) - set(_FIELDS))
-            what = f"lacks {', '.join(missing)}" if missing else f"has unknown fields {', '.join(extra[:3])}"
+            what = f"lacks {', '.join(missing)}" if missing else f"has {len(extra)} unknown field(s)"
             raise HeadError(f"{where} is not a signed tree head: it {what}")
         if data["format"] != FORMAT:
             raise HeadError(f"{where} is not a signed tree head of format {FORMAT}")
@@ -102,7 +102,7 @@ class SignedHead:
             raise HeadError(f"{where} is longer than a signed tree head ({MAX_LINE} bytes at most)")
         try:
             data = json.loads(text)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
             raise HeadError(f"{where} is not valid JSON") from None
         return cls.from_json(data, where)
 

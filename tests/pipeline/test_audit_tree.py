@@ -298,7 +298,7 @@ def test_heads_files_append_whole_lines_and_refuse_garbage(tmp_path, service):
     with path.open("a") as f:
         f.write("\n" + json.dumps(head.to_json() | {"extra": 1}) + "\n")
     with pytest.raises(
-        audit_anchor.HeadsFileError, match=r"line 202 is not a signed tree head: it has unknown"
+        audit_anchor.HeadsFileError, match=r"line 202 is not a signed tree head: it has 1 unknown field"
     ):
         audit_anchor.read(path)
     with pytest.raises(audit_anchor.HeadsFileError, match="no heads file"):
