@@ -15,6 +15,7 @@ from jobs.bounded_json import loads, nesting_depth
 from jobs.findings import parse_findings
 from jobs.json_output import json_values
 from jobs.openai_batch import BadLine, BatchLine, output_line, parse_line, read_batch_file
+from jobs.openai_request import RequestRefused
 from pipeline import audit, audit_anchor
 from pipeline.audit_heads import SignedHead
 from pipeline.envelope import (
@@ -142,7 +143,10 @@ def _run_chat_line(raw: bytes) -> None:
         check_message(error.reason)
         assert len(error.reason) <= MAX_REASON
         result = kind.failure(error)
-        assert result.error == error.reason and result.output == {"code": error.code}
+        expected = {"code": error.code}
+        if isinstance(error, RequestRefused):  # an OpenAI 400 names its parameter (jobs/chat.py, issue 16)
+            expected |= {"status_code": 400, "type": "invalid_request_error", "param": error.param}
+        assert result.error == error.reason and result.output == expected
         record = {
             "status": result.status,
             "output": result.output,
