@@ -103,9 +103,32 @@ class ServiceClient:
     def revoke(self, fingerprint: str) -> m.ClientInfo:
         return self._call("POST", f"/v1/clients/{_segment(fingerprint)}/revoke", m.ClientInfo)
 
-    def audit(self, after: int = 0, limit: int = 1000, job: str | None = None) -> m.AuditPage:
-        params = {"after": after, "limit": limit} | ({"job": job} if job else {})
+    def audit(
+        self,
+        *,
+        after: int = 0,
+        before: int | None = None,
+        limit: int = 1000,
+        job: str | None = None,
+        actions: tuple[str, ...] = (),
+        since: str | None = None,
+        until: str | None = None,
+        newest_first: bool = False,
+    ) -> m.AuditPage:
+        """A page of the audit log; `after` (oldest first) or `before` (newest first) is the cursor."""
+        given = {"before": before, "job": job, "action": ",".join(actions), "since": since, "until": until}
+        params = {"after": after, "limit": limit, "order": "desc" if newest_first else "asc"}
+        params |= {name: value for name, value in given.items() if value}
         return self._call("GET", "/v1/audit", m.AuditPage, params=params)
+
+    def audit_head(self) -> m.TreeHead:
+        return self._call("GET", "/v1/audit/head", m.TreeHead)
+
+    def audit_proof(self, event: int) -> m.AuditProof:
+        return self._call("GET", "/v1/audit/proof", m.AuditProof, params={"event": event})
+
+    def audit_consistency(self, old_size: int) -> m.AuditConsistency:
+        return self._call("GET", "/v1/audit/consistency", m.AuditConsistency, params={"from": old_size})
 
     def _call(
         self,

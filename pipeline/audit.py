@@ -1,27 +1,36 @@
-"""The tamper-evident audit log: hash-chained rows plus signed checkpoints.
+"""The tamper-evident audit log: hash-chained rows, a Merkle tree over them, and signed tree heads.
 
 Each row's hash is SHA-256(previous hash || canonical JSON of the row), so editing, deleting or reordering a
 row breaks the chain at that row. Someone with write access to the database can recompute every later hash;
-the service's signed checkpoints (size, head hash) catch that for every row up to the latest checkpoint. Rows
-after the latest checkpoint are protected by the chain only, and deleting checkpoint rows themselves is not
-detected here: keep checkpoints frequent and copy them out of the database (receipts, exports).
+the service's signed tree heads (checkpoints: size, RFC 9162 Merkle root, chain head hash, time) catch that
+for every row up to the latest head, and let anyone holding a head check proofs (`audit_proofs`). Heads are
+also appended outside the database after they commit (`audit_anchor`), so that `verify` can tell a log cut
+short, rolled back or stripped of a checkpoint from an intact one. Rows after the latest head are protected
+by the chain only, until the next head.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Row, func, select, text
+from sqlalchemy import event as orm_event
 from sqlalchemy.orm import Session
 
 from jobs.bounded_json import has_lone_surrogate
+from pipeline import audit_tree, audit_verify
+from pipeline.audit_anchor import KeptHead
+from pipeline.audit_heads import SignedHead, Verifier
+from pipeline.audit_proofs import event_leaf
 from pipeline.canonical import canonical_json
+from pipeline.merkle import CompactRange
 from pipeline.models import AuditCheckpoint, AuditEvent
 
 SUBMITTED = "submitted"
@@ -55,22 +64,22 @@ MAX_STRING = 200  # longest string (or key) allowed in details: ids and short co
 MAX_DETAILS_BYTES = 4096  # canonical JSON of one row's details
 MAX_DEPTH = 8  # lists and dicts inside one another in details
 _LOCK_KEY = 0x454E434C41564541  # b"ENCLAVEA": pg_advisory_xact_lock key that serialises appends
+_PENDING = "enclave.audit.heads"  # session.info: heads signed in this transaction, published after commit
+log = logging.getLogger("enclave.audit")
+Publish = Callable[[SignedHead], None]
 
 
 @dataclass(frozen=True)
 class VerifyReport:
-    """The outcome of `verify`: `first_bad_seq` is the first row that cannot be trusted, `reason` one line."""
+    """The outcome of `verify`: `first_bad_seq` is the first row that cannot be trusted, `reason` one line;
+    `kept` counts the heads from outside the database that were checked too."""
 
     ok: bool
     rows: int
     checkpoints: int
     first_bad_seq: int | None = None
     reason: str | None = None
-
-
-def checkpoint_payload(size: int, head_hash: str) -> bytes:
-    """The bytes a checkpoint signature covers."""
-    return canonical_json({"size": size, "head_hash": head_hash})
+    kept: int = 0
 
 
 def row_hash(fields: dict[str, Any]) -> str:
@@ -112,24 +121,48 @@ def append(
 
 
 def checkpoint(
-    session: Session, *, sign: Callable[[bytes], bytes], key_fingerprint: str
+    session: Session,
+    *,
+    sign: Callable[[bytes], bytes],
+    key_fingerprint: str,
+    publish: Publish | None = None,
 ) -> AuditCheckpoint | None:
-    """Sign (size, head hash) of the log as it stands; None if the log is empty or this size is signed."""
+    """Sign the tree head of the log as it stands (size, Merkle root, chain head hash, time); None if the log
+    is empty or this size is signed. `publish` gets the head once the caller's transaction commits (never if
+    it rolls back), to copy it outside the database; call this outside savepoints."""
+    if session.in_nested_transaction():
+        raise ValueError(
+            "sign audit heads outside savepoints: a head must commit or roll back with its transaction"
+        )
     _lock(session)
     head = _head(session)
     if head is None or session.get(AuditCheckpoint, head.seq) is not None:
         return None
-    signature = sign(checkpoint_payload(head.seq, head.hash))
+    tree = audit_tree.state_at(session, head.seq)
+    unsigned = SignedHead(head.seq, tree.root().hex(), head.hash, _now(), key_fingerprint, b"")
+    signed = SignedHead(**{**unsigned.__dict__, "signature": sign(unsigned.payload())})
     row = AuditCheckpoint(
-        size=head.seq, head_hash=head.hash, at=_now(), key_fingerprint=key_fingerprint, signature=signature
+        size=signed.tree_size,
+        head_hash=signed.chain_hash,
+        at=signed.timestamp,
+        key_fingerprint=key_fingerprint,
+        signature=signed.signature,
+        root_hash=signed.root_hash,
+        tree_state=tree.dump(),
     )
     session.add(row)
     session.flush()
+    if publish is not None:
+        _publish_after_commit(session, signed, publish)
     return row
 
 
 def maybe_checkpoint(
-    session: Session, every: int, sign: Callable[[bytes], bytes], key_fingerprint: str
+    session: Session,
+    every: int,
+    sign: Callable[[bytes], bytes],
+    key_fingerprint: str,
+    publish: Publish | None = None,
 ) -> AuditCheckpoint | None:
     """Checkpoint when the log has grown by at least `every` rows since the last checkpoint."""
     if every < 1:
@@ -139,56 +172,72 @@ def maybe_checkpoint(
     signed = session.scalar(select(func.max(AuditCheckpoint.size))) or 0
     if size - signed < every:
         return None
-    return checkpoint(session, sign=sign, key_fingerprint=key_fingerprint)
+    return checkpoint(session, sign=sign, key_fingerprint=key_fingerprint, publish=publish)
 
 
-def verify(session: Session, *, verify_signature: Callable[[bytes, bytes], bool]) -> VerifyReport:
-    """Recompute the chain and check every checkpoint; report the first row that cannot be trusted.
+def _publish_after_commit(session: Session, head: SignedHead, publish: Publish) -> None:
+    session.info.setdefault(_PENDING, []).append((head, publish))
+    if not orm_event.contains(session, "after_commit", _published):
+        orm_event.listen(session, "after_commit", _published)
+        orm_event.listen(session, "after_rollback", _dropped)
 
-    Breaks in the chain (an edited, missing, moved or inserted row) are named exactly. A checkpoint whose head
-    hash no longer matches the chain at its size (rows rewritten and every later hash recomputed) is reported
-    as the first row after the last checkpoint that still matches: the rewrite lies somewhere in that range.
-    A log shorter than a checkpoint names its first missing row; a bad signature names the checkpoint's size.
+
+def _published(session: Session) -> None:
+    for head, publish in session.info.pop(_PENDING, []):
+        try:
+            publish(head)
+        except Exception:  # the head is committed: a failed copy must not fail the caller's work
+            log.exception("publishing the signed audit head of size %d failed", head.tree_size)
+
+
+def _dropped(session: Session) -> None:
+    session.info.pop(_PENDING, None)
+
+
+def verify(session: Session, *, verify_signature: Verifier, kept: Sequence[KeptHead] = ()) -> VerifyReport:
+    """Recompute the chain and the Merkle tree, check every signed head in the database and every head `kept`
+    outside it; report the first row that cannot be trusted.
+
+    Breaks in the chain (an edited, missing, moved or inserted row) are named exactly. A head that no longer
+    matches the chain or the tree at its size (rows rewritten and every later hash recomputed) is reported as
+    the first row after the last head that still matches: the rewrite lies somewhere in that range. A log
+    shorter than a head names the missing rows; a bad signature names the head (`audit_verify`). An empty
+    log fails: `enclave init` records the first event, so a wiped log looks like that.
     """
     checkpoints = session.execute(select(AuditCheckpoint).order_by(AuditCheckpoint.size)).scalars().all()
-    sizes = {c.size for c in checkpoints}
-    heads: dict[int, str] = {}  # stored hash of each row whose seq is a checkpoint size
+    found = audit_verify.claims(checkpoints, kept, verify_signature)
+    sizes = {c.size for c in found}
+    chain_at: dict[int, str] = {}  # stored hash of each row whose seq is a head's size
+    roots: dict[int, str] = {}  # recomputed Merkle root of the first n rows, for each head's size n
+    tree = CompactRange()
     rows, last_seq, prev_hash = 0, 0, GENESIS
     chain_bad: tuple[int, str] | None = None
     query = select(AuditEvent.__table__).order_by(AuditEvent.seq).execution_options(yield_per=1000)
     for row in session.execute(query):
         rows += 1
-        if row.seq in sizes:
-            heads[row.seq] = row.hash
         if chain_bad is None:
             chain_bad = _check_row(row, last_seq + 1, prev_hash)
+        tree.append(event_leaf(row._mapping))
+        if row.seq in sizes:
+            chain_at[row.seq] = row.hash
+        if rows in sizes:
+            roots[rows] = tree.root().hex()
         last_seq, prev_hash = row.seq, row.hash
 
-    cp_bad: tuple[int, str] | None = None
-    cp_size = 0  # size of the first checkpoint that fails
-    matched = 0  # size of the last checkpoint that matches the chain
-    for c in checkpoints:
-        cp_size = c.size
-        if not verify_signature(checkpoint_payload(c.size, c.head_hash), c.signature):
-            cp_bad = (c.size, f"checkpoint at size {c.size} has a bad signature (forged or edited)")
-        elif c.size > last_seq:
-            missing = f"the log ends at row {last_seq}, but a checkpoint was signed at size {c.size}"
-            cp_bad = (last_seq + 1, f"row {last_seq + 1} is missing: {missing}")
-        elif c.size not in heads:
-            cp_bad = (c.size, f"row {c.size} is missing (a checkpoint was signed at that size)")
-        elif heads[c.size] != c.head_hash:
-            rewritten = f"the chain no longer matches the signed checkpoint at size {c.size}"
-            cp_bad = (matched + 1, f"rows {matched + 1}..{c.size} were rewritten: {rewritten}")
-        else:
-            matched = c.size
-            continue
-        break
-
-    # A chain break at or before the failing checkpoint names the row exactly and explains the checkpoint too.
-    bad = chain_bad if chain_bad is not None and (cp_bad is None or chain_bad[0] <= cp_size) else cp_bad
-    if bad is None:
-        return VerifyReport(ok=True, rows=rows, checkpoints=len(checkpoints))
-    return VerifyReport(False, rows, len(checkpoints), *bad)
+    failed = audit_verify.first_failure(found, last_seq, chain_at, roots)
+    # A chain break at or before the failing head names the row exactly and explains the head too.
+    if chain_bad is not None and (failed is None or chain_bad[0] <= failed[1]):
+        bad: tuple[int, str] | None = chain_bad
+    elif failed is not None:
+        bad = (failed[0], failed[2])
+    elif rows == 0:
+        bad = (
+            1,
+            "the audit log is empty: `enclave init` records its first event, so a wiped log looks like this",
+        )
+    else:
+        return VerifyReport(True, rows, len(checkpoints), kept=len(kept))
+    return VerifyReport(False, rows, len(checkpoints), *bad, kept=len(kept))
 
 
 def _check_row(row: Row[Any], seq: int, prev_hash: str) -> tuple[int, str] | None:

@@ -3,6 +3,7 @@ stderr and a non-zero exit, never a traceback (internals go to the log without d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -490,23 +491,50 @@ def results(ctx: click.Context, job: str, out_dir: Path, partial: bool, as_json:
 
 @cli.group()
 def audit() -> None:
-    """The tamper-evident audit log."""
+    """The tamper-evident audit log: its events, signed tree heads and proofs."""
 
 
 @audit.command("log")
 @click.option("--job", help="Only this job's events (its id, or a prefix).")
+@click.option("--action", "actions", multiple=True, help="Only events of this action (repeat for several).")
+@click.option(
+    "--since",
+    help="Only events at or after this time: ISO 8601 (UTC unless it says), or an age: 30m, 12h, 7d.",
+)
+@click.option("--until", help="Only events before this time (as --since).")
+@click.option("--newest-first", is_flag=True, help="Newest first (with --limit: the latest events).")
 @click.option("--limit", type=click.IntRange(1, 10_000_000), default=200)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def audit_log(ctx: click.Context, job: str | None, limit: int, as_json: bool) -> None:
-    """Show audit events, oldest first (administrators)."""
+def audit_log(
+    ctx: click.Context,
+    job: str | None,
+    actions: tuple[str, ...],
+    since: str | None,
+    until: str | None,
+    newest_first: bool,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """Show audit events, oldest first unless --newest-first (administrators)."""
+    now = time.time()
+    filters = {
+        "job": job,
+        "actions": actions,
+        "since": _log_time(since, now, "--since"),
+        "until": _log_time(until, now, "--until"),
+        "newest_first": newest_first,
+    }
     api = _session(ctx).api
     rows: list[dict] = []
-    after: int | None = 0
-    while after is not None and len(rows) < limit:
-        page = api.audit(after, min(1000, limit - len(rows)), job)
+    cursor: dict[str, int] = {}
+    while len(rows) < limit:
+        page = api.audit(**filters, **cursor, limit=min(1000, limit - len(rows)))
         rows += [e.model_dump(mode="json") for e in page.events]
-        after = page.next_after
+        following = page.next_before if newest_first else page.next_after
+        if following is None:
+            break
+        cursor = {"before": following} if newest_first else {"after": following}
     if as_json:
         return emit(rows)
     table = Table("seq", "at", "actor", "action", "job", "document", "outcome")
@@ -523,33 +551,212 @@ def audit_log(ctx: click.Context, job: str | None, limit: int, as_json: bool) ->
     out.print(table)
 
 
+def _log_time(text: str | None, now: float, option: str) -> str | None:
+    """`--since`/`--until` as the log's UTC time format: an ISO 8601 time (naive means UTC) or an age."""
+    from datetime import UTC, datetime, timedelta
+
+    if text is None:
+        return None
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip()
+    try:
+        if text[:-1].isdigit() and text[-1:] in units:
+            when = datetime.fromtimestamp(now, UTC) - timedelta(seconds=int(text[:-1]) * units[text[-1]])
+        else:
+            when = datetime.fromisoformat(text)
+            when = when.replace(tzinfo=UTC) if when.tzinfo is None else when.astimezone(UTC)
+    except (ValueError, OverflowError):
+        raise UserError(
+            f"{option} must be an ISO 8601 time (2026-05-01, 2026-05-01T08:00Z) or an age (30m, 12h, 7d)"
+        ) from None
+    return when.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 @audit.command("verify")
+@click.option(
+    "--against",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also check every signed head in this file (ENCLAVE_AUDIT_HEADS_FILE, kept on a write-once mount): "
+    "a database rolled back or cut short fails, naming the missing rows.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def audit_verify(ctx: click.Context, as_json: bool) -> None:
-    """Recompute the hash chain and check the signed checkpoints; exit 1 naming the first bad row."""
+def audit_verify(ctx: click.Context, against: Path | None, as_json: bool) -> None:
+    """Recompute the hash chain and the Merkle tree and check every signed head: the database's, those kept in
+    this home (service/audit_heads.jsonl) and --against's; exit 1 naming the first bad row. A good result
+    records the latest head in the home, so a later rollback past it fails here too."""
     from pipeline import audit as a
+    from pipeline import audit_anchor, audit_tree
     from pipeline import keys as k
 
     settings = settings_of(ctx)
     service = k.load_public(settings.service_key_dir)
+    local = audit_anchor.local_path(settings.service_key_dir)
+    kept = audit_anchor.read(local) if local.exists() else []
+    external = audit_anchor.read(against) if against is not None else []
     with _db(settings).transaction() as s:
-        report = a.verify(s, verify_signature=lambda data, sig: k.verify_signature(service, data, sig))
+        report = a.verify(
+            s,
+            verify_signature=lambda data, sig: k.verify_signature(service, data, sig),
+            kept=[*kept, *external],
+        )
+        latest = audit_tree.latest_head(s) if report.ok else None
+    if latest is not None and not any(h.head == latest for h in kept):
+        with contextlib.suppress(OSError):  # a read-only home still verifies; it only keeps nothing new
+            audit_anchor.append(local, latest)
     data = {
         "ok": report.ok,
         "rows": report.rows,
         "checkpoints": report.checkpoints,
         "first_bad_seq": report.first_bad_seq,
         "reason": report.reason,
+        "kept_heads": len(kept),
+        "against_heads": len(external),
     }
     if as_json:
         emit(data)
     elif report.ok:
-        out.print(f"audit log intact: {report.rows} events, {report.checkpoints} signed checkpoints")
+        outside = f"; {len(kept)} heads kept in the home match" if kept else ""
+        outside += f"; {len(external)} heads in {against} match" if against is not None else ""
+        out.print(f"audit log intact: {report.rows} events, {report.checkpoints} signed heads{outside}")
     else:
         click.echo(f"audit log TAMPERED: first bad row {report.first_bad_seq}: {report.reason}", err=True)
     if not report.ok:
         raise SystemExit(1)
+
+
+@audit.command("head")
+@click.option("--json", "as_json", is_flag=True, help="The head itself, to keep in a file.")
+@click.pass_context
+def audit_head(ctx: click.Context, as_json: bool) -> None:
+    """The service's latest signed tree head, checked with the service's public key. Keep it (`--json >
+    FILE`): `enclave audit consistency FILE` later proves the log only grew from it (administrators)."""
+    from pipeline import audit_proofs
+
+    session = _session(ctx)
+    head = _signed_head(session.api.audit_head().model_dump(), "the service's head")
+    audit_proofs.check_head(head, _service_verifier(ctx), "the service's latest signed head")
+    if as_json:
+        return emit(head.to_json())
+    out.print(
+        f"signed tree head: {head.tree_size} events, root {head.root_hash[:16]}..., signed "
+        f"{_when(head.timestamp)} by {head.key_fingerprint[:16]}"
+    )
+
+
+@audit.command("prove")
+@click.option("--event", "seq", type=click.IntRange(1, 2**62), required=True, help="The event's seq.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def audit_prove(ctx: click.Context, seq: int, as_json: bool) -> None:
+    """Prove that event N is in the log: its inclusion proof against the service's latest signed tree head,
+    checked here with the service's public key (administrators)."""
+    from pipeline import audit_proofs
+
+    answer = _session(ctx).api.audit_proof(seq)
+    head = _signed_head(answer.head.model_dump(), "the service's head")
+    event = answer.event.model_dump()
+    if event["seq"] != seq:
+        raise audit_proofs.ProofError(f"the service answered with event {event['seq']}, not event {seq}")
+    audit_proofs.check_inclusion(event, head, answer.path, _service_verifier(ctx))
+    if as_json:
+        return emit({"event": event, "head": head.to_json(), "leaf_index": seq - 1, "path": answer.path})
+    out.print(
+        f"event {seq} ({event['action']}, {_when(event['at'])}) is in the signed tree head of "
+        f"{head.tree_size} events (signed {_when(head.timestamp)}): its {len(answer.path)}-hash inclusion "
+        "proof checks out"
+    )
+
+
+@audit.command("consistency")
+@click.argument("old_head", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def audit_consistency(ctx: click.Context, old_head: Path, as_json: bool) -> None:
+    """Prove the log only grew since OLD_HEAD, a signed head you kept (`enclave audit head --json`, or a heads
+    file: its largest head): the service's latest head must extend it (administrators)."""
+    from pipeline import audit_proofs
+
+    old = _kept_head(old_head)
+    answer = _session(ctx).api.audit_consistency(old.tree_size)
+    new = _signed_head(answer.head.model_dump(), "the service's head")
+    if answer.old_size != old.tree_size:
+        raise audit_proofs.ProofError(
+            f"the service proved from {answer.old_size} events, not {old.tree_size}"
+        )
+    audit_proofs.check_consistency(old, new, answer.path, _service_verifier(ctx))
+    if as_json:
+        return emit({"old": old.to_json(), "head": new.to_json(), "path": answer.path, "consistent": True})
+    out.print(
+        f"the log only grew: the service's latest signed head ({new.tree_size} events, "
+        f"{_when(new.timestamp)}) extends the head you kept ({old.tree_size} events, {_when(old.timestamp)})"
+    )
+
+
+@audit.command("export")
+@click.option(
+    "--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), help="Write here (default: stdout)."
+)
+@click.option(
+    "--after",
+    type=click.IntRange(0, 2**62),
+    default=0,
+    help="Only events after this seq: the previous export's head size (its first line), which this export "
+    "then proves its head extends.",
+)
+@click.pass_context
+def audit_export(ctx: click.Context, out_file: Path | None, after: int) -> None:
+    """On the service host: the audit log as JSON lines for a SIEM: the latest signed tree head, then each
+    event with its inclusion proof (with --after, also a consistency proof from the previous export's
+    head)."""
+    from pipeline.audit_export import export
+
+    settings = settings_of(ctx)
+    with _db(settings).transaction() as s:
+        if out_file is None:
+            summary = export(s, sys.stdout.write, after)
+        else:
+            partial = out_file.with_name(f".{out_file.name}.partial")
+            with partial.open("w", encoding="utf-8") as f:
+                summary = export(s, f.write, after)
+            partial.replace(out_file)
+    size = summary.head.tree_size
+    later = (
+        f"; {summary.left} newer events wait for the next head (then: --after {size})" if summary.left else ""
+    )
+    err.print(f"exported {summary.events} events, proven against the signed head of {size} events{later}")
+
+
+def _signed_head(data: dict, where: str):
+    from pipeline.audit_heads import SignedHead
+
+    return SignedHead.from_json(data, where)
+
+
+def _kept_head(path: Path):
+    """The head in a file: one JSON head, or the largest of a heads file's lines."""
+    from pipeline import audit_anchor
+    from pipeline.audit_heads import HeadError, SignedHead
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        raise UserError(f"cannot read the head file {path}") from None
+    try:
+        return SignedHead.parse(text, str(path))
+    except HeadError:
+        heads = audit_anchor.read(path)  # a heads file: each line a head
+    if not heads:
+        raise UserError(f"{path} holds no signed head")
+    return max(heads, key=lambda k: k.head.tree_size).head
+
+
+def _service_verifier(ctx: click.Context):
+    """Checks signatures with the service's public key in this home (`keys import-service` on a client)."""
+    from pipeline import keys as k
+
+    service = k.load_public(settings_of(ctx).service_key_dir)
+    return lambda data, sig: k.verify_signature(service, data, sig)
 
 
 @cli.command()

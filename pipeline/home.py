@@ -1,5 +1,5 @@
-"""`enclave init`: the home folder, a migrated database, service keys, a client identity on the allow-list
-and the demo model. Every step is idempotent."""
+"""`enclave init`: the home folder, a migrated database, service keys, a client identity on the allow-list,
+a signed head of the audit log and the demo model. Every step is idempotent."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import audit, keys, migrate
+from pipeline import audit, audit_anchor, keys, migrate
 from pipeline.db import Database
 from pipeline.models import Client
 from pipeline.settings import Settings
@@ -67,6 +67,11 @@ def init(settings: Settings, client_name: str | None = None, model: bool = True)
             if entry is None or entry.role != Role.ADMIN:
                 add_client(s, name, client.public, actor=service.public.fingerprint, role=Role.ADMIN)
                 created.append("allow-list entry (admin)")
+        with db.transaction() as s:  # a signed head from the start, kept in the home: a wiped log then fails
+            publish = audit_anchor.publisher(settings)
+            audit.checkpoint(
+                s, sign=service.sign, key_fingerprint=service.public.fingerprint, publish=publish
+            )
     finally:
         db.dispose()
     model_path = ensure_model(settings) if model else None

@@ -110,7 +110,7 @@ class AuditEvent(Base):
     __tablename__ = "audit_events"
 
     seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    at: Mapped[str] = mapped_column(String(32))  # UTC, ISO 8601 with microseconds
+    at: Mapped[str] = mapped_column(String(32), index=True)  # UTC, ISO 8601 with microseconds
     actor: Mapped[str] = mapped_column(String(200))  # key fingerprint or worker id
     action: Mapped[str] = mapped_column(String(40))
     job_id: Mapped[str | None] = mapped_column(String(36), default=None, index=True)
@@ -122,15 +122,21 @@ class AuditEvent(Base):
 
 
 class AuditCheckpoint(Base):
-    """The service's signature over the log's size and head hash."""
+    """A signed tree head: the service's signature over the log's size, the Merkle root of its first `size`
+    events, the chain's head hash and the time (`pipeline.audit_heads`). Rows from before migration 0007 have
+    no root and sign (size, head hash) only."""
 
     __tablename__ = "audit_checkpoints"
 
     size: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    head_hash: Mapped[str] = mapped_column(String(64))
+    head_hash: Mapped[str] = mapped_column(String(64))  # hash of row `size` in the chain
     at: Mapped[str] = mapped_column(String(32))
     key_fingerprint: Mapped[str] = mapped_column(String(64))
     signature: Mapped[bytes] = mapped_column(LargeBinary)
+    root_hash: Mapped[str | None] = mapped_column(String(64), default=None)  # hex RFC 9162 MTH
+    # The tree's compact range at `size` (merkle.CompactRange.dump()): the next head extends it. Not signed:
+    # the signer checks it against `root_hash` before use.
+    tree_state: Mapped[str | None] = mapped_column(Text, default=None)
 
 
 class RequestNonce(Base):

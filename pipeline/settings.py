@@ -158,6 +158,12 @@ class Settings:
         min_length=1,
         max_length=64,
     )
+    audit_heads_file: Path | None = setting(
+        "a file outside the database to which every signed head of the audit log is appended (one JSON line "
+        "each, fsynced): put it on a write-once or append-only mount, for `enclave audit verify --against`; "
+        "unset: only the home's own copy, `service/audit_heads.jsonl`",
+        None,
+    )
     limits: Limits = Field(default_factory=Limits)
     # the [engine] options given, by flat name: passed to Engine.from_pretrained as is
     engine: dict[str, Any] = Field(default_factory=dict)
@@ -219,7 +225,16 @@ class Settings:
 
 
 # Settings fields from enclave.toml's top level or ENCLAVE_<NAME>.
-_TOP = ("database_url", "broker_url", "service_url", "service_ca", "model", "device", "dtype")
+_TOP = (
+    "database_url",
+    "broker_url",
+    "service_url",
+    "service_ca",
+    "model",
+    "device",
+    "dtype",
+    "audit_heads_file",
+)
 # enclave.toml's tables, each a class whose fields are its keys (and ENCLAVE_<KEY>).
 _TABLES: dict[str, type] = {"limits": Limits}  # and [engine]: engine_fields()
 # The variables holding the passphrases of a home's `service/` and `client/` key files.
@@ -261,7 +276,7 @@ def load_settings(env: Mapping[str, str] | None = None, home: Path | None = None
     for name, var in _ENV_ONLY.items():
         if name != "home" and env.get(var):
             values[name], sources[name] = env[var], var
-    for name in ("model", "migrations", "service_ca"):
+    for name in ("model", "migrations", "service_ca", "audit_heads_file"):
         if isinstance(values.get(name), str):
             values[name] = Path(values[name]).expanduser()
     values |= {"home": home, "limits": limits, "engine": engine}

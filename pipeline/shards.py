@@ -25,7 +25,7 @@ from jobs.base import (
     JobParamError,
 )
 from jobs.base import Document as OpenedDocument
-from pipeline import audit, envelope, keys, store
+from pipeline import audit, audit_anchor, envelope, keys, store
 from pipeline.db import Database
 from pipeline.errors import stack_without_message
 from pipeline.manifests import JobRejected, ManifestVerifier
@@ -336,7 +336,9 @@ class ShardProcessor:
     def _checkpoint(self, session, force: bool = False) -> None:
         identity = self.identity
         sign, fingerprint = identity.sign, identity.public.fingerprint
+        publish = audit_anchor.publisher(self.settings)  # copies each signed head outside, after commit
         if force:
-            audit.checkpoint(session, sign=sign, key_fingerprint=fingerprint)
+            audit.checkpoint(session, sign=sign, key_fingerprint=fingerprint, publish=publish)
         else:
-            audit.maybe_checkpoint(session, self.settings.limits.checkpoint_every, sign, fingerprint)
+            every = self.settings.limits.checkpoint_every
+            audit.maybe_checkpoint(session, every, sign, fingerprint, publish=publish)

@@ -1,10 +1,8 @@
-"""Administrators' operations: the allow-list (list, add, revoke) and the audit log, read page by page (an
-export). Only callers with the `admin` role reach them (403 otherwise); each change is audited with the
-administrator as actor."""
+"""Administrators' operations on the allow-list (list, add, revoke); the audit log's are in `audit.py`. Only
+callers with the `admin` role reach them (403 otherwise); each change is audited with the administrator as
+actor."""
 
 from __future__ import annotations
-
-import json
 
 from sqlalchemy import select
 
@@ -13,7 +11,7 @@ from pipeline.api.auth import Caller
 from pipeline.api.errors import ApiError, malformed
 from pipeline.db import Database
 from pipeline.home import add_client
-from pipeline.models import AuditEvent, Client, utcnow
+from pipeline.models import Client, utcnow
 from pipeline.wire import messages as m
 
 
@@ -77,29 +75,3 @@ class Admin:
                 details={"client": client.fingerprint},
             )
             return _info(client)
-
-    def audit_page(self, caller: Caller, after: int, limit: int, job: str | None) -> m.AuditPage:
-        """Events with seq > `after`, oldest first; `job` keeps one job's (its id, or a prefix of it)."""
-        self.check(caller)
-        with self.db.transaction() as s:
-            query = select(AuditEvent).where(AuditEvent.seq > after).order_by(AuditEvent.seq).limit(limit + 1)
-            if job:
-                query = query.where(AuditEvent.job_id.startswith(job.strip().lower(), autoescape=True))
-            rows = s.scalars(query).all()
-            events = [_row(e) for e in rows[:limit]]
-        return m.AuditPage(events=events, next_after=events[-1].seq if len(rows) > limit else None)
-
-
-def _row(event: AuditEvent) -> m.AuditRow:
-    return m.AuditRow(
-        seq=event.seq,
-        at=event.at,
-        actor=event.actor,
-        action=event.action,
-        job_id=event.job_id,
-        document_id=event.document_id,
-        outcome=event.outcome,
-        details=json.loads(event.details),
-        prev_hash=event.prev_hash,
-        hash=event.hash,
-    )

@@ -11,7 +11,9 @@ an unexpected error is logged by type and stack only (its message may quote data
 | `POST /v1/jobs/{id}/cancel` | clients | cancel an own job |
 | `GET /v1/jobs/{id}/results?after=&limit=&partial=` | clients | sealed, signed results, a page at a time |
 | `GET /v1/clients`, `POST /v1/clients`, `POST /v1/clients/{fingerprint}/revoke` | admins | the allow-list |
-| `GET /v1/audit?after=&limit=&job=` | admins | the audit log, a page at a time |
+| `GET /v1/audit?after=&before=&limit=&job=&action=&since=&until=&order=` | admins | the log, page by page |
+| `GET /v1/audit/head` | admins | the latest signed tree head |
+| `GET /v1/audit/proof?event=`, `GET /v1/audit/consistency?from=` | admins | inclusion, consistency proofs |
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from starlette.routing import Route
 from jobs.bounded_json import JSONInputError
 from jobs.bounded_json import loads as load_json
 from pipeline.api.admin import Admin
+from pipeline.api.audit import AuditLog, AuditQuery
 from pipeline.api.auth import Authenticator, Caller
 from pipeline.api.errors import ApiError, malformed
 from pipeline.api.jobs import Dispatcher, Jobs
@@ -57,6 +60,7 @@ class Service:
         self.auth = Authenticator(self.db)
         self.jobs = Jobs(self.db, settings, self.dispatcher)
         self.admin = Admin(self.db)
+        self.audit = AuditLog(self.db)
 
     def close(self) -> None:
         self.dispatcher.close()
@@ -79,6 +83,9 @@ def create_app(service: Service) -> Starlette:
         Route("/v1/clients", api.signed(api.add_client), methods=["POST"]),
         Route("/v1/clients/{fingerprint}/revoke", api.signed(api.revoke), methods=["POST"]),
         Route("/v1/audit", api.signed(api.audit), methods=["GET"]),
+        Route("/v1/audit/head", api.signed(api.audit_head), methods=["GET"]),
+        Route("/v1/audit/proof", api.signed(api.audit_proof), methods=["GET"]),
+        Route("/v1/audit/consistency", api.signed(api.audit_consistency), methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: _unrouted})
 
@@ -165,10 +172,32 @@ class _Routes:
         return await run_in_threadpool(self.service.admin.revoke, caller, request.path_params["fingerprint"])
 
     async def audit(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
-        after = _int(request, "after", 0, 0, 2**62)
-        limit = _int(request, "limit", 1000, 1, 10_000)
-        job = request.query_params.get("job")
-        return await run_in_threadpool(self.service.admin.audit_page, caller, after, limit, job)
+        params = request.query_params
+        order = params.get("order", "asc")
+        if order not in ("asc", "desc"):
+            raise malformed("the query parameter order must be asc or desc")
+        query = AuditQuery(
+            limit=_int(request, "limit", 1000, 1, 10_000),
+            after=_int(request, "after", 0, 0, 2**62),
+            before=_int(request, "before", 0, 1, 2**62) if "before" in params else None,
+            job=params.get("job"),
+            actions=tuple(a for a in params.get("action", "").split(",") if a),
+            since=params.get("since"),
+            until=params.get("until"),
+            newest_first=order == "desc",
+        )
+        return await run_in_threadpool(self.service.audit.page, caller, query)
+
+    async def audit_head(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
+        return await run_in_threadpool(self.service.audit.head, caller)
+
+    async def audit_proof(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
+        event = _int(request, "event", 0, 1, 2**62)
+        return await run_in_threadpool(self.service.audit.proof, caller, event)
+
+    async def audit_consistency(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
+        old_size = _int(request, "from", 0, 1, 2**62)
+        return await run_in_threadpool(self.service.audit.consistency, caller, old_size)
 
 
 def parse(model: type[M], body: bytes) -> M:

@@ -206,7 +206,40 @@ class AuditRow(Message):
 
 
 class AuditPage(Message):
-    """Audit events oldest first (`GET /v1/audit`, administrators); `next_after` continues the export."""
+    """Audit events (`GET /v1/audit`, administrators), oldest first (`next_after` continues) or newest first
+    (`next_before` continues)."""
 
     events: list[AuditRow]
     next_after: int | None = None
+    next_before: int | None = None
+
+
+class TreeHead(Message):
+    """A signed tree head of the audit log, as `pipeline.audit_heads.SignedHead.to_json` writes it (the client
+    checks it with that class and the service's public key)."""
+
+    format: str
+    tree_size: int
+    root_hash: str
+    chain_hash: str
+    timestamp: str
+    key_fingerprint: str
+    signature: str
+
+
+class AuditProof(Message):
+    """Event `event.seq` and its inclusion proof (hex hashes, RFC 9162 PATH) in the tree `head` signs
+    (`GET /v1/audit/proof?event=`, administrators)."""
+
+    event: AuditRow
+    head: TreeHead
+    path: list[str]
+
+
+class AuditConsistency(Message):
+    """A consistency proof (hex hashes, RFC 9162 PROOF) from the tree of `old_size` events to the tree `head`
+    signs (`GET /v1/audit/consistency?from=`, administrators); empty when `head` is not larger."""
+
+    head: TreeHead
+    old_size: int
+    path: list[str]

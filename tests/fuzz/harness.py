@@ -20,10 +20,14 @@ from jobs.base import DocumentError
 from jobs.bounded_json import JSONInputError
 from jobs.openai_batch import BatchFileError
 from jobs.params import JobParamError
+from pipeline.audit_heads import HeadError
 from pipeline.envelope import EnvelopeError, ManifestError
 
 MARKER = "QZXV7MARK"
-CLEAN_ERRORS = (BatchFileError, DocumentError, EnvelopeError, JobParamError, JSONInputError, ManifestError)
+CLEAN_ERRORS = (
+    *(BatchFileError, DocumentError, EnvelopeError, JobParamError, JSONInputError, ManifestError),
+    HeadError,
+)
 MAX_MESSAGE = 300
 
 FED: Counter[str] = Counter()  # inputs fed, per fuzz test (checked by test_zz_total)

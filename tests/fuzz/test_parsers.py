@@ -15,7 +15,9 @@ from jobs.bounded_json import loads, nesting_depth
 from jobs.findings import parse_findings
 from jobs.json_output import json_values
 from jobs.openai_batch import BadLine, BatchLine, output_line, parse_line, read_batch_file
-from pipeline import audit
+from jobs.openai_request import RequestRefused
+from pipeline import audit, audit_anchor
+from pipeline.audit_heads import SignedHead
 from pipeline.envelope import (
     canonical_json,
     open_document,
@@ -141,7 +143,10 @@ def _run_chat_line(raw: bytes) -> None:
         check_message(error.reason)
         assert len(error.reason) <= MAX_REASON
         result = kind.failure(error)
-        assert result.error == error.reason and result.output == {"code": error.code}
+        expected = {"code": error.code}
+        if isinstance(error, RequestRefused):  # an OpenAI 400 names its parameter (jobs/chat.py, issue 16)
+            expected |= {"status_code": 400, "type": "invalid_request_error", "param": error.param}
+        assert result.error == error.reason and result.output == expected
         record = {
             "status": result.status,
             "output": result.output,
@@ -328,3 +333,31 @@ def test_audit_bounded_details_always_pass(text, other):
         audit._details_text({"value": other})
     except ValueError as exc:  # the checks that keep content out: a ValueError naming the rule
         assert "audit details" in str(exc)
+
+
+# -- signed tree heads of the audit log: a kept head file, the heads files' lines ----------------------------
+
+_HEAD = SignedHead(
+    7, "11" * 32, "22" * 32, "2026-01-01T00:00:00.000000Z", SERVICE.public.fingerprint, b"\x01" * 64
+)
+
+
+@profile(600)
+@given(
+    field=st.sampled_from([*_HEAD.to_json(), MARKER]),
+    value=json_like | marked,
+    rnd=st.randoms(use_true_random=False),
+)
+def test_signed_heads(field, value, rnd, tmp_path_factory):
+    fed("signed_heads", 3)
+    text = dumps(_HEAD.to_json() | {field: value})
+    mutation = mutate(text.encode("utf-8", "surrogatepass"), rnd)
+    for candidate in (text, mutation, "[" * (rnd.randrange(1024) + 1)):
+        head = clean(SignedHead.parse, candidate, "the head file")
+        if not isinstance(head, Exception):
+            assert SignedHead.parse(head.line(), "again") == head
+    path = tmp_path_factory.mktemp("heads") / "heads.jsonl"
+    path.write_bytes(_HEAD.line() + mutation + b"\n" + _HEAD.line())
+    kept = clean(audit_anchor.read, path)
+    if not isinstance(kept, Exception):
+        assert kept[0].head == _HEAD and kept[-1].head == _HEAD

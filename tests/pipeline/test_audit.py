@@ -17,6 +17,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
 
 from pipeline import audit
+from pipeline.audit_heads import legacy_payload
 from pipeline.db import Database
 from pipeline.models import Base
 
@@ -146,6 +147,14 @@ def _rows(db: Database) -> list[dict]:
     return _sql(db, f"SELECT {', '.join(COLUMNS)} FROM audit_events ORDER BY seq")
 
 
+def _canonical(value) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _event(row: dict) -> dict:
+    return row | {"details": json.loads(row["details"])}
+
+
 def _attacker_hash(row: dict) -> str:
     """The documented formula, reimplemented independently of pipeline.audit."""
     fields = {name: row[name] for name in FIELDS} | {"details": json.loads(row["details"])}
@@ -224,10 +233,19 @@ def test_rows_follow_the_documented_format(sqlite_db, keys):
         assert row["details"] == canonical
         assert row["hash"] == _attacker_hash(row)
     assert cp is not None and (cp.size, cp.head_hash) == (2, rows[1]["hash"])
-    payload = json.dumps(
-        {"size": 2, "head_hash": rows[1]["hash"]}, sort_keys=True, separators=(",", ":")
-    ).encode()
-    assert keys.verify_signature(payload, cp.signature)
+    # The signed tree head, recomputed here from RFC 9162 and the documented leaf (the row's ten columns in
+    # canonical JSON): MTH of two leaves is H(0x01 || H(0x00 || leaf 1) || H(0x00 || leaf 2)).
+    leaves = [hashlib.sha256(b"\x00" + _canonical(_event(row))).digest() for row in rows]
+    root = hashlib.sha256(b"\x01" + leaves[0] + leaves[1]).hexdigest()
+    assert cp.root_hash == root
+    signed = {
+        "format": "enclave-tree-head/1",
+        "tree_size": 2,
+        "root_hash": root,
+        "chain_hash": rows[1]["hash"],
+        "timestamp": cp.at,
+    }
+    assert keys.verify_signature(_canonical(signed), cp.signature)
 
 
 def test_checkpoints_skip_empty_logs_and_signed_sizes(sqlite_db, keys):
@@ -334,7 +352,7 @@ def test_appended_forgery_after_the_last_checkpoint_is_caught_only_if_unlinked(s
 def test_deleted_tail_is_named(db, keys):
     _fill(db, keys, 20)
     _sql(db, "DELETE FROM audit_events WHERE seq >= 18")
-    _assert_bad(_verify(db, keys), 18, "row 18 is missing", "size 20")
+    _assert_bad(_verify(db, keys), 18, "rows 18..20 are missing", "size 20")
 
 
 CHECKPOINT_FORGERIES = {
@@ -354,7 +372,7 @@ CHECKPOINT_FORGERIES = {
         h=_hash_of(db, 12),
         a="2030-01-01T00:00:00.000000Z",
         f="mallory",
-        s=_keys().sign(audit.checkpoint_payload(12, _hash_of(db, 12))),
+        s=_keys().sign(legacy_payload(12, _hash_of(db, 12))),
     ),
 }
 
