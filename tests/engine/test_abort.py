@@ -1,5 +1,5 @@
-"""Engine.abort: a request stops within a step or two, gives its slot and KV blocks back, fails its future with
-RequestAborted, and leaves the requests batched with it exactly as they would have been without it."""
+"""Engine.abort: a request stops within a step or two, gives its slot and KV blocks back, fails its future
+with RequestAborted, and leaves the requests batched with it exactly as they would have been without it."""
 
 import time
 
