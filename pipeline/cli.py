@@ -553,16 +553,38 @@ def audit_verify(ctx: click.Context, as_json: bool) -> None:
 @cli.command()
 @click.option("--concurrency", type=click.IntRange(1, 64), default=2, help="Shard tasks run in threads.")
 @click.option("--until-idle", is_flag=True, help="Process everything queued, then exit 0.")
+@click.option(
+    "--gpu", type=click.IntRange(0, 1023), help="Serve on CUDA device N (its node name: enclave-gpuN)."
+)
+@click.option(
+    "--device", help="Serve on this torch device instead (cpu, cuda:1...; default: ENCLAVE_DEVICE)."
+)
+@click.option("--name", help="Celery node name (default: enclave-gpuN@host, or enclave-<device>-<pid>@host).")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(-1, 65535),
+    help="Port of /metrics and /healthz (default: ENCLAVE_METRICS_PORT, +N with --gpu; 0: any; -1: none).",
+)
 @click.option("--loglevel", default="INFO")
 @click.pass_context
-def worker(ctx: click.Context, concurrency: int, until_idle: bool, loglevel: str) -> None:
-    """Run a GPU worker: serve shard tasks from the broker."""
+def worker(
+    ctx: click.Context,
+    concurrency: int,
+    until_idle: bool,
+    gpu: int | None,
+    device: str | None,
+    name: str | None,
+    metrics_port: int | None,
+    loglevel: str,
+) -> None:
+    """Run a GPU worker: load the engine, then serve shard tasks from the broker."""
     # First: a bad setting stops the worker before it imports or consumes anything.
     settings = settings_of(ctx)
-    from pipeline.worker_process import run_worker
+    from pipeline.worker_process import WorkerOptions, run_worker
 
     _configure_logging(settings, loglevel)
-    raise SystemExit(run_worker(settings, concurrency, until_idle, loglevel))
+    options = WorkerOptions(concurrency, until_idle, loglevel, gpu, device, name, metrics_port)
+    raise SystemExit(run_worker(settings, options))
 
 
 @cli.command()
@@ -755,16 +777,9 @@ def _safe_url(url: str) -> str:
 
 
 def _configure_logging(settings: Settings, level: str = "INFO") -> Path:
-    logs = settings.home / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    file = logs / "enclave.log"
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        handlers=[logging.FileHandler(file), logging.StreamHandler(sys.stderr)],
-        force=True,
-    )
-    return file
+    from pipeline.logs import configure
+
+    return configure(settings, level)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -298,6 +298,12 @@ class Settings:
         return self.home / "client"
 
     @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between a worker's heartbeats: `heartbeat_seconds`, but at most a third of the lease, so
+        that a live worker's leases never lapse between two beats."""
+        return min(self.worker.heartbeat_seconds, self.limits.lease_seconds / 3)
+
+    @property
     def model_path(self) -> Path:
         return self.model if self.model is not None else self.home / "models" / "demo"
 

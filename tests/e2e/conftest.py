@@ -110,6 +110,7 @@ def _env(tmp: Path, model: Path, extra: dict[str, str]) -> dict[str, str]:
         ENCLAVE_DTYPE="float32",
         ENCLAVE_LEASE_SECONDS="3",
         ENCLAVE_SHARD_SIZE="2",
+        ENCLAVE_METRICS_PORT="0",  # any free port: workers of parallel tests must not share one
         TMPDIR=str(tmp / "tmp"),  # every temporary file of these processes lands here, for the privacy scan
         PYTHONUNBUFFERED="1",
         PYTHONPATH=str(ROOT),
