@@ -103,6 +103,9 @@ class ServiceClient:
     def revoke(self, fingerprint: str) -> m.ClientInfo:
         return self._call("POST", f"/v1/clients/{_segment(fingerprint)}/revoke", m.ClientInfo)
 
+    def purge(self, request: m.PurgeRequest) -> m.PurgeReport:
+        return self._call("POST", "/v1/purge", m.PurgeReport, request)
+
     def audit(self, after: int = 0, limit: int = 1000, job: str | None = None) -> m.AuditPage:
         params = {"after": after, "limit": limit} | ({"job": job} if job else {})
         return self._call("GET", "/v1/audit", m.AuditPage, params=params)
