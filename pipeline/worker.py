@@ -232,8 +232,9 @@ class WorkerRuntime:
     def _set_state(self, state: State, reason: str | None = None, **values) -> None:
         self.state = state
         url = self.server.url if self.server is not None else None
+        counts = {"done": self.health.done, "errors": self.health.errors}
         with self.db.transaction() as s:
-            workers.set_state(s, self.worker_id, state, reason, metrics_url=url, **values)
+            workers.set_state(s, self.worker_id, state, reason, metrics_url=url, **counts, **values)
 
     def health_state(self) -> dict:
         """`/healthz`: ready while the engine is loaded and the worker healthy."""

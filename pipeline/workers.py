@@ -83,9 +83,13 @@ def set_state(
     *,
     engine_loaded: bool | None = None,
     metrics_url: str | None = None,
+    done: int = 0,
+    errors: int = 0,
 ) -> None:
-    """Record a change of state (with its content-free reason); `stopped` and `failed` also end the worker."""
+    """Record a change of state (with its content-free reason and the worker's counts); `stopped` and
+    `failed` also end the worker."""
     values: dict = {"state": state, "reason": bounded(reason), "heartbeat_at": utcnow()}
+    values |= {"done": done, "errors": errors}
     if engine_loaded is not None:
         values["engine_loaded"] = engine_loaded
     if metrics_url is not None:
