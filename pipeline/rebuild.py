@@ -77,7 +77,9 @@ def redispatch(app: Celery, db: Database) -> int:
     """Dispatch every open shard of every active job; the shards that reached the broker are marked."""
     with db.transaction() as s:
         shards = store.open_shards(s)
-        priorities = dict(s.execute(select(Job.id, Job.priority).where(Job.id.in_({j for j, _ in shards}))))
+        priorities = dict(
+            s.execute(select(Job.id, Job.priority).where(Job.id.in_({j for j, _ in shards}))).all()
+        )
     sent = []
     for job_id, shard in shards:
         try:

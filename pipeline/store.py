@@ -210,7 +210,7 @@ def abandon(session: Session, doc_ids: list[str], owner: str, reason: str, actor
     """Fail `owner`'s leased documents that will get no result from it (a shard that ran past its hard time
     limit), each with `reason` and its audit event; the attempt counts. Returns how many it still held."""
     reason = bounded(reason)
-    failed = session.scalars(
+    failed = session.execute(
         update(Document)
         .where(Document.id.in_(doc_ids), Document.status == DocState.LEASED, Document.lease_owner == owner)
         .values(status=DocState.FAILED, error=reason, lease_until=None, attempts=Document.attempts + 1)
