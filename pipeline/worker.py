@@ -140,8 +140,12 @@ class WorkerRuntime:
     def _startup_reason(self, exc: Exception) -> str:
         if isinstance(exc, StartupError):
             return str(exc)
-        where = self.settings.model or self.settings.model_path
-        return f"cannot load the model at {where}: {describe(exc, self.settings.home)}"
+        where, message = str(self.settings.model_path), describe(exc, self.settings.home)
+        return (
+            f"cannot load the model: {message}"
+            if where in message
+            else f"cannot load the model at {where}: {message}"
+        )
 
     def _serve_metrics(self) -> None:
         port = self.settings.worker.metrics_port
@@ -226,7 +230,8 @@ class WorkerRuntime:
         consumer = self.consumer
         if consumer is None:
             return  # not consuming yet: `ready` does it
-        for queue in list(self.app.amqp.queues.consume_from):
+        queues = self.app.amqp.queues
+        for queue in list(queues.consume_from or queues):
             consumer.call_soon(consumer.cancel_task_queue, queue)  # in the consumer's own thread
 
     def _set_state(self, state: State, reason: str | None = None, **values) -> None:
