@@ -33,10 +33,10 @@ def backup(database_url: str, target: Path, force: bool = False) -> Backup:
     """Copy the SQLite database at `database_url` to `target` (refused if it exists, unless `force`)."""
     url = make_url(database_url)
     if url.get_backend_name() != "sqlite":
-        shown = url.set(password="***" if url.password else None).render_as_string(hide_password=False)
+        shown = url.set(drivername=url.get_backend_name()).render_as_string(hide_password=True)
         raise UserError(
             f"the database is {url.get_backend_name()}: back it up with pg_dump, e.g. pg_dump "
-            f"--format=custom --file {target} '{shown.replace('+psycopg', '')}' (restore: pg_restore)"
+            f"--format=custom --file {target} '{shown}' (restore: pg_restore)"
         )
     source = Path(url.database or "")
     if not source.is_file():
