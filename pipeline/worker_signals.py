@@ -1,8 +1,10 @@
 """The worker's life as Celery sees it, for `enclave worker` and `celery -A pipeline.celery_app worker` alike:
 
 - `worker_init` (before any task is consumed): only Celery's threads pool is served, since one engine per
-  process is shared by its threads (prefork would load one per child); then `WorkerRuntime.prepare` registers
-  the worker, checks the broker and loads the engine. A worker that cannot serve prints one line and exits 1.
+  process is shared by its threads (prefork would load one per child). `worker_pool` is "threads" in the
+  app's configuration, which Celery's CLI also applies to `-P prefork` (its default, which it cannot tell from
+  an explicit one); any other pool is refused here. Then `WorkerRuntime.prepare` registers the worker, checks
+  the broker and loads the engine. A worker that cannot serve prints one line and exits 1.
 - `worker_ready`: the sweeper starts; an unhealthy worker's queues are cancelled from the consumer's thread.
 - `worker_shutdown`: the threads stop and the worker's row says it stopped.
 """
@@ -13,11 +15,13 @@ import sys
 
 from celery import signals
 
-THREAD_POOLS = ("threads", "thread", "celery.concurrency.thread:TaskPool")
-
 
 def _pool_name(pool) -> str:
-    return pool if isinstance(pool, str) else f"{pool.__module__}:{pool.__qualname__}"
+    """Celery's name of a pool given by name or class: threads, prefork, solo, eventlet, gevent..."""
+    if isinstance(pool, str):
+        return pool
+    name = pool.__module__.rsplit(".", 1)[-1]
+    return "threads" if name == "thread" else name
 
 
 @signals.worker_init.connect
@@ -26,10 +30,10 @@ def _prepare(sender=None, **_kwargs) -> None:
     from pipeline.worker import runtime_for
 
     pool = _pool_name(sender.pool_cls)
-    if pool.rsplit(".", 1)[-1] not in THREAD_POOLS and pool not in THREAD_POOLS:
+    if pool != "threads":
         _refuse(
-            f"enclave workers run Celery's threads pool (one engine per process, shared by its threads); "
-            f"--pool {pool} would load an engine per child: drop --pool, or give --pool threads"
+            f"enclave workers run Celery's threads pool (one engine per process, shared by its threads), "
+            f"not {pool}: drop --pool, or give --pool threads"
         )
     runtime = runtime_for(sender.app)
     queues = ",".join(sorted(sender.app.amqp.queues.consume_from or ["celery"]))
