@@ -107,3 +107,19 @@ def test_a_flushed_redis_gets_every_open_shard_again(tmp_path, db):
         assert rebuild.check(app, db, probe) == 0
     finally:
         client.flushdb()
+
+
+def test_enclave_broker_rebuild_dispatches_every_open_shard_and_replaces_an_unreadable_file(
+    tmp_path, db, monkeypatch, capsys
+):
+    from pipeline.cli import main
+
+    app = app_for(tmp_path)
+    job = make_job(db, documents=4, shard_size=2)
+    (tmp_path / "broker.db").write_bytes(b"\xde\xad" * 4096)  # not a database at all
+    monkeypatch.setenv("ENCLAVE_HOME", str(tmp_path))
+    assert main(["broker", "rebuild"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "2 open shards dispatched again from the database"
+    assert "the embedded broker could not be read: moved it to" in err
+    assert sorted(take(app, 10)) == [(job, 0), (job, 1)]
