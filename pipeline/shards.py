@@ -100,7 +100,7 @@ class Resources(Protocol):
     def observe_shard(self, seconds: float, outcomes: dict[str, int]) -> None: ...
 
 
-@dataclass
+@dataclass(eq=False)
 class _Pending:
     """A document whose engine requests are submitted: its futures, or the error that stopped them."""
 
@@ -233,13 +233,12 @@ class ShardProcessor:
             except Exception as exc:  # a bug or an outage: retry later, keep the reason content-free
                 self._give_back(run, item, exc)
                 continue
-            engine = self.model.engine
-            pending.append(_Pending(item, doc, self._submit_all(run, engine, requests, priority)))
+            pending.append(_Pending(item, doc, self._submit_all(run, self.model.engine, requests, priority)))
         recorded = self._record(run, job_id, early, client_x25519)
         while pending:
-            futures = [f for p in pending if isinstance(p.futures, list) for f in p.futures]
-            if futures:
-                wait(futures, return_when=FIRST_COMPLETED)
+            running = [f for p in pending if isinstance(p.futures, list) for f in p.futures if not f.done()]
+            if running:  # the documents whose requests are all done are recorded below, without waiting
+                wait(running, return_when=FIRST_COMPLETED)
             ready = [
                 p for p in pending if not isinstance(p.futures, list) or all(f.done() for f in p.futures)
             ]
