@@ -131,7 +131,7 @@ class Engine:
             raise EngineError("from_pretrained(path, options, **flat): name device= and dtype= as keywords")
         options = (options or EngineOptions()).with_flat(_flat_load(flat))
         device = _device(options.load.device)
-        if device.type == "cuda":
+        if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # Triton launches and graph captures use the current device
         auto = torch.bfloat16 if device.type == "cuda" else torch.float32
         dtype = _DTYPES.get(options.load.dtype, auto)
@@ -454,7 +454,7 @@ def _serve(ref: weakref.ref[Engine], cond: threading.Condition, device: torch.de
     """The loop thread. Only this thread touches the engine's core; the lock guards the inbox, so
     submit() never waits for a step. While idle it holds the engine weakly, so an engine nobody uses any
     more is collected (freeing its caches) and the thread ends."""
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # the current device is per thread: cuda:1 must not launch on 0
     while True:
         with cond:
