@@ -498,4 +498,8 @@ def _device(name: str | None) -> torch.device:
         raise EngineError(f"unknown device {name!r}: {exc}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EngineError("device cuda was asked for, but CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise EngineError(
+            f"device {device} was asked for, but this machine has {torch.cuda.device_count()} CUDA devices"
+        )
     return device
