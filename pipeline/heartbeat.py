@@ -41,14 +41,16 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
 
     def beat(self) -> int:
-        """One heartbeat; how many leases it renewed. A document the worker no longer holds (taken over after
-        a long pause) is logged: its result will not be recorded by this worker."""
+        """One heartbeat; how many leases it renewed. Documents another worker took over (this one was taken
+        for gone after a long pause) are logged: this worker will not record them. (A document recorded
+        while the beat ran is simply no longer leased.)"""
         held = self.inflight.doc_ids()
         with self.db.transaction() as s:
             workers.beat(s, self.worker_id, self.inflight.documents(), self.health.done, self.health.errors)
             renewed = store.renew(s, self.worker_id, held, self.lease_seconds)
-        if renewed < len(held):
-            log.warning("%d of %d leases were taken over by other workers", len(held) - renewed, len(held))
+            taken = store.taken_over(s, self.worker_id, held) if renewed < len(held) else 0
+        if taken:
+            log.warning("%d of %d leases were taken over by other workers", taken, len(held))
         self.on_renewed(renewed)
         return renewed
 

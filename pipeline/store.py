@@ -206,6 +206,17 @@ def renew(session: Session, owner: str, doc_ids: list[str], lease_seconds: float
     ).rowcount
 
 
+def taken_over(session: Session, owner: str, doc_ids: list[str]) -> int:
+    """How many of `doc_ids` another owner holds now (leased again after `owner` was taken for gone)."""
+    if not doc_ids:
+        return 0
+    return session.scalar(
+        select(func.count())
+        .select_from(Document)
+        .where(Document.id.in_(doc_ids), Document.status == DocState.LEASED, Document.lease_owner != owner)
+    )
+
+
 def abandon(session: Session, doc_ids: list[str], owner: str, reason: str, actor: str) -> int:
     """Fail `owner`'s leased documents that will get no result from it (a shard that ran past its hard time
     limit), each with `reason` and its audit event; the attempt counts. Returns how many it still held."""

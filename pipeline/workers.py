@@ -37,7 +37,7 @@ class WorkerInfo:
 def new_worker_id(node: str, pid: int) -> str:
     """A lease owner unique to this process start: a restarted container may reuse the host name and pid, and
     must not inherit its predecessor's leases."""
-    return f"{node}:{pid}:{secrets.token_hex(4)}"
+    return f"worker:{node}:{pid}:{secrets.token_hex(4)}"  # "worker:" marks workers' events in the audit log
 
 
 def register(session: Session, info: WorkerInfo) -> None:

@@ -135,6 +135,9 @@ def break_broker(e: Enclave, fault: str) -> None:
     if fault == "delete":
         broker.unlink()
     elif fault == "corrupt":
+        # A worker killed inside a broker transaction leaves a hot journal, from which SQLite would restore
+        # the first page: the corruption is of the file as it stands, journal and all.
+        broker.with_name("broker.db-journal").unlink(missing_ok=True)
         with open(broker, "r+b") as f:
             f.write(random.Random(1).randbytes(4096))  # the first page, its header included
     elif fault == "restart":

@@ -77,6 +77,10 @@ def test_a_gone_workers_documents_are_taken_over_at_once_counting_an_expiry(db, 
     assert [(d.lease_owner, d.attempts, d.lease_expiries) for d in taken] == [(b, 0, 1)] * 2
     with db.transaction() as s:  # the gone worker, should it come back, cannot record them
         assert not store.finish_document(s, taken[0].id, a, "done", b"late", None, a)
+        assert store.renew(s, a, [d.id for d in taken], LONG_LEASE) == 0
+        assert store.taken_over(s, a, [d.id for d in taken]) == 2
+        assert store.finish_document(s, taken[0].id, b, "done", b"result", None, b)
+        assert store.taken_over(s, a, [d.id for d in taken]) == 1  # a finished one is not held by anyone
 
 
 def test_an_owner_never_registered_keeps_the_old_rule_its_lease_expiry(db):
