@@ -41,7 +41,8 @@ class WorkerMetrics:
         r = self.registry
         self.documents = Counter(
             "enclave_worker_documents",
-            "Documents this worker finished (done, failed) or gave back after internal errors (given_back).",
+            "Documents this worker leased, by outcome: done, failed, or not_recorded (given back after an "
+            "internal error, cancelled, or taken over).",
             ["outcome"],
             registry=r,
         )

@@ -176,11 +176,9 @@ class ShardProcessor:
             recorded = self._run(run, job_id, kind, work, verified.hashes, priority, verified.client_x25519)
         finally:
             self.res.inflight.end(run)
-        counts = {
-            "done": recorded.count(DocState.DONE),
-            "failed": recorded.count(DocState.FAILED),
-            "given_back": len(work) - len(recorded),
-        }
+        done, failed = recorded.count(DocState.DONE), recorded.count(DocState.FAILED)
+        # not recorded here: given back after an internal error, cancelled, or taken over by another worker
+        counts = {"done": done, "failed": failed, "not_recorded": len(work) - done - failed}
         seconds = time.perf_counter() - start
         self.res.observe_shard(seconds, counts)
         log.info(
@@ -190,7 +188,7 @@ class ShardProcessor:
             len(work),
             counts["done"],
             counts["failed"],
-            counts["given_back"],
+            counts["not_recorded"],
             seconds,
             f" ({run.stopped})" if run.stopped else "",
         )
