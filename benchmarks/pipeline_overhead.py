@@ -29,7 +29,7 @@ from pipeline import envelope, keys
 from pipeline.client import ClientSession, fetch_results, submit_files
 from pipeline.home import ensure_model, init
 from pipeline.settings import Limits, load_settings
-from pipeline.worker_process import run_worker
+from pipeline.worker_process import WorkerOptions, run_worker
 
 NOTE = (Path(__file__).resolve().parents[1] / "pipeline" / "demo_notes" / "note-02-pneumonia.txt").read_text()
 
@@ -93,7 +93,8 @@ def pipeline_run(home: Path, folder: Path, params: dict, args) -> dict:
     t0 = time.perf_counter()
     job = submit_files(session, [folder], "summarize", params)
     t1 = time.perf_counter()
-    run_worker(settings, concurrency=args.concurrency, until_idle=True, loglevel=args.loglevel)
+    options = WorkerOptions(args.concurrency, until_idle=True, loglevel=args.loglevel, metrics_port=-1)
+    run_worker(settings, options)
     t2 = time.perf_counter()
     _, records = fetch_results(session, job.job_id)
     t3 = time.perf_counter()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.engine import Engine
-    from engine.errors import CheckpointError, ConfigError, EngineError, RequestError
+    from engine.errors import CheckpointError, ConfigError, EngineError, RequestAborted, RequestError
     from engine.options import EngineOptions, OptionError
     from engine.outputs import RequestOutput
     from engine.sampling import SamplingParams
@@ -23,6 +23,7 @@ _EXPORTS = {
     "EngineError": "engine.errors",
     "EngineOptions": "engine.options",
     "OptionError": "engine.options",
+    "RequestAborted": "engine.errors",
     "RequestError": "engine.errors",
     "RequestOutput": "engine.outputs",
     "SamplingParams": "engine.sampling",
@@ -35,6 +36,7 @@ __all__ = [
     "EngineError",
     "EngineOptions",
     "OptionError",
+    "RequestAborted",
     "RequestError",
     "RequestOutput",
     "SamplingParams",

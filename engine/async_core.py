@@ -83,6 +83,7 @@ class AsyncEngineCore(EngineCore):
         requests whose end was read."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        self.batch_size = len(out.scheduled)
         previous = self._pending
         launched = self._launch(out, previous.launched if previous else None, nonblocking=True)
         finished: list[Sequence] = []

@@ -84,12 +84,16 @@ class EngineCore:
         self.busy_s = 0.0
         self.draft_tokens = 0
         self.accepted_tokens = 0
+        self.aborted = 0  # requests dropped before they finished (Engine.abort, or a failed loop)
+        self.batch_size = 0  # sequences in the last step
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
+        """Drop a request wherever it is, freeing its slot and blocks."""
         self.scheduler.abort(seq)
+        self.aborted += 1
 
     def _capture_graphs(self, positions: int, k: int) -> None:
         """Every decode (and, speculating, verify) graph for contexts up to `positions`, at start-up."""
@@ -111,7 +115,7 @@ class EngineCore:
     def reset_counters(self) -> None:
         """Zero the step and token counters (after the start-up warm-up, which is not served work)."""
         self.steps = self.prompt_tokens = self.generated_tokens = 0
-        self.draft_tokens = self.accepted_tokens = 0
+        self.draft_tokens = self.accepted_tokens = self.aborted = 0
         self.busy_s = 0.0
         self.scheduler.num_preemptions = 0
 
@@ -119,6 +123,7 @@ class EngineCore:
         """Run one step; return the requests that finished in it."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        self.batch_size = len(out.scheduled)
         launched = self._launch(out)
         finished = self._complete(out, launched)
         self._timed(start)
@@ -187,4 +192,6 @@ class EngineCore:
             graphs_captured=self.graphs.captures if self.graphs is not None else 0,
             graph_capture_s=self.graphs.capture_s if self.graphs is not None else 0.0,
             kernels=dispatch.usage(),
+            batch_size=self.batch_size,
+            aborted_requests=self.aborted,
         )

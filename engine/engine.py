@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import weakref
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from engine.async_core import build_core
 from engine.config import ModelConfig, load_config
 from engine.core import StepFailed
-from engine.errors import EngineError, RequestError
+from engine.errors import EngineError, RequestAborted, RequestError
 from engine.grammar import GrammarCompiler, GrammarState
 from engine.loader import load_model, quantization_mode
 from engine.model.model import CausalLM
@@ -103,7 +104,9 @@ class Engine:
         self.core = build_core(model, self.plan, self.options, drafter)
         self._cond = threading.Condition()
         self._inbox: list[tuple[Sequence, Future]] = []
-        self._futures: dict[int, Future] = {}
+        self._futures: dict[int, Future] = {}  # id(seq) -> its future, for requests the core holds
+        self._held: dict[Future, Sequence] = {}  # the same requests, by future (Engine.abort)
+        self._aborts: set[Future] = set()  # asked for by abort(), applied by the loop thread
         self._arrivals = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -128,6 +131,8 @@ class Engine:
             raise EngineError("from_pretrained(path, options, **flat): name device= and dtype= as keywords")
         options = (options or EngineOptions()).with_flat(_flat_load(flat))
         device = _device(options.load.device)
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # Triton launches and graph captures use the current device
         auto = torch.bfloat16 if device.type == "cuda" else torch.float32
         dtype = _DTYPES.get(options.load.dtype, auto)
         quantization = quantization_mode(options.load.quantization)
@@ -185,6 +190,25 @@ class Engine:
         ]
         return [f.result() for f in self._enqueue(seqs)]
 
+    def abort(self, futures: Iterable[Future]) -> int:
+        """Stop the requests behind `futures` (from `submit`) before their next step: each releases its
+        slot and KV blocks and its future fails with `RequestAborted`. Requests already finished are left
+        alone. Thread-safe, like `submit`; returns how many of them were still unfinished."""
+        with self._cond:
+            wanted = {f for f in futures if not f.done()}
+            kept = []
+            for seq, future in self._inbox:  # not yet in the core: dropped here
+                if future in wanted:
+                    wanted.discard(future)
+                    future.set_exception(RequestAborted("the request was aborted"))
+                else:
+                    kept.append((seq, future))
+            count = len(self._inbox) - len(kept) + len(wanted)
+            self._inbox = kept
+            self._aborts |= wanted
+            self._cond.notify_all()
+        return count
+
     def stats(self) -> EngineStats:
         """A snapshot of the loop's counters (read without stopping it, so approximate while busy)."""
         return self.core.stats()
@@ -216,7 +240,10 @@ class Engine:
                 self._inbox.append((seq, future))
             if self._thread is None:
                 self._thread = threading.Thread(
-                    target=_serve, args=(weakref.ref(self), self._cond), name="enclave-engine", daemon=True
+                    target=_serve,
+                    args=(weakref.ref(self), self._cond, self.device),
+                    name="enclave-engine",
+                    daemon=True,
                 )
                 self._thread.start()
             self._cond.notify_all()
@@ -230,15 +257,21 @@ class Engine:
                 _BUSY.discard(self)
                 return False
             arrived, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, set()
         for seq, future in arrived:
             self._futures[id(seq)] = future
+            self._held[future] = seq
             self.core.add(seq)
+        for future in aborts:
+            self._abort(future)
+        if not self.core.has_work():  # everything asked for was aborted
+            return True
         try:
             finished = self.core.step()
         except StepFailed as exc:
             log.exception("engine step failed")
             for seq in exc.seqs:
-                self._futures.pop(id(seq)).set_exception(exc.cause)
+                self._release(seq).set_exception(exc.cause)
             return True
         except Exception as exc:  # a bug outside the model: fail everything rather than hang
             log.exception("engine loop failed")
@@ -248,11 +281,25 @@ class Engine:
         for seq in finished:
             output = seq.to_output()
             output.model = self.model_name
-            self._futures.pop(id(seq)).set_result(output)
+            self._release(seq).set_result(output)
         return True
 
+    def _release(self, seq: Sequence) -> Future:
+        """Forget a request the core no longer holds; its future. Loop thread only."""
+        future = self._futures.pop(id(seq))
+        del self._held[future]
+        return future
+
+    def _abort(self, future: Future) -> None:
+        """Drop the request behind `future` from the core (freeing its slot and blocks). Loop thread only."""
+        seq = self._held.get(future)
+        if seq is None:  # finished (or failed) before the abort was applied
+            return
+        self.core.abort(seq)
+        self._release(seq).set_exception(RequestAborted("the request was aborted"))
+
     def _idle(self) -> bool:
-        return not self._inbox and not self.core.has_work() and not self._closed
+        return not self._inbox and not self._aborts and not self.core.has_work() and not self._closed
 
     def _fail_all(self, exc: BaseException) -> None:
         pending = [s for s, _ in self._inbox] + self.core.scheduler.waiting + self.core.scheduler.running
@@ -263,6 +310,8 @@ class Engine:
             if not future.done():
                 future.set_exception(exc)
         self._futures.clear()
+        self._held.clear()
+        self._aborts.clear()
         self._inbox.clear()
 
     def chat(
@@ -401,10 +450,12 @@ class Engine:
         return self.tokenizer
 
 
-def _serve(ref: weakref.ref[Engine], cond: threading.Condition) -> None:
+def _serve(ref: weakref.ref[Engine], cond: threading.Condition, device: torch.device) -> None:
     """The loop thread. Only this thread touches the engine's core; the lock guards the inbox, so
     submit() never waits for a step. While idle it holds the engine weakly, so an engine nobody uses any
     more is collected (freeing its caches) and the thread ends."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # the current device is per thread: cuda:1 must not launch on 0
     while True:
         with cond:
             engine = ref()
@@ -447,4 +498,8 @@ def _device(name: str | None) -> torch.device:
         raise EngineError(f"unknown device {name!r}: {exc}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EngineError("device cuda was asked for, but CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise EngineError(
+            f"device {device} was asked for, but this machine has {torch.cuda.device_count()} CUDA devices"
+        )
     return device

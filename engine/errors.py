@@ -15,3 +15,7 @@ class CheckpointError(EngineError, ValueError):
 
 class RequestError(EngineError, ValueError):
     """A prompt or sampling parameter cannot be served."""
+
+
+class RequestAborted(EngineError):
+    """The request was stopped by `Engine.abort` before it finished; its slot and blocks were freed."""

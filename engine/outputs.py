@@ -59,6 +59,8 @@ class EngineStats:
     graph_capture_s: float = 0.0  # seconds spent capturing them (their kernels' compilation included)
     # kernel op -> the implementation it last ran in this process (`engine.kernels.dispatch.usage()`)
     kernels: dict[str, str] = field(default_factory=dict)
+    batch_size: int = 0  # sequences in the last step (prompt chunks and decodes)
+    aborted_requests: int = 0  # requests dropped before they finished (Engine.abort)
 
 
 @dataclass

@@ -103,6 +103,9 @@ class ServiceClient:
     def revoke(self, fingerprint: str) -> m.ClientInfo:
         return self._call("POST", f"/v1/clients/{_segment(fingerprint)}/revoke", m.ClientInfo)
 
+    def purge(self, request: m.PurgeRequest) -> m.PurgeReport:
+        return self._call("POST", "/v1/purge", m.PurgeReport, request)
+
     def audit(
         self,
         *,

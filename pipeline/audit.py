@@ -46,6 +46,7 @@ CLIENT_ADDED = "client_added"
 CLIENT_REVOKED = "client_revoked"
 UPLOAD_STARTED = "upload_started"  # a submit claimed its job id (new, or an interrupted upload taken over)
 DOCUMENTS_STORED = "documents_stored"  # one chunk of a submit's sealed documents
+PURGED = "purged"  # an administrator removed a job's ciphertext and results (`pipeline/purge.py`)
 _JOB_ACTIONS = (
     UPLOAD_STARTED,
     DOCUMENTS_STORED,
@@ -56,6 +57,7 @@ _JOB_ACTIONS = (
     DOCUMENT_FAILED,
     CANCELLED,
     COMPLETED,
+    PURGED,
 )
 ACTIONS = frozenset((*_JOB_ACTIONS, RESULTS_FETCHED, CHECKPOINT, CLIENT_ADDED, CLIENT_REVOKED))
 

@@ -1,6 +1,7 @@
-"""The Celery application. `celery -A pipeline.celery_app worker --pool threads` works, as does
-`enclave worker`; both read settings once, at start-up, from the environment and `enclave.toml`.
-Importing this module reads no settings: `app` is made on first access (the `celery -A` path)."""
+"""The Celery application. `celery -A pipeline.celery_app worker` works (the threads pool is its default, and
+the only pool it serves), as does `enclave worker`; both read settings once, at start-up, from the environment
+and `enclave.toml`. Importing this module reads no settings: `app` is made on first access (the `celery -A`
+path). Task events are on, so Flower sees the workers on brokers that carry events (Redis)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,10 @@ import sys
 
 from celery import Celery
 from kombu.transport import TRANSPORT_ALIASES
-from kombu.transport.sqlalchemy import Transport as SQLAlchemyTransport
 
 from pipeline.settings import Settings, SettingsError, check_engine_env, load_settings
 
-
-class EmbeddedTransport(SQLAlchemyTransport):
-    """Kombu's SQLAlchemy transport (the embedded default broker), polling every 0.1 s instead of 1 s.
-
-    Its transport options all go to `create_engine`, so the interval cannot be passed as an option."""
-
-    polling_interval = 0.1
-
-
-TRANSPORT_ALIASES["sqla"] = f"{__name__}:EmbeddedTransport"
+TRANSPORT_ALIASES["sqla"] = "pipeline.embedded_broker:EmbeddedTransport"
 
 TASK_MODULES = ["pipeline.tasks"]
 
@@ -39,6 +30,9 @@ def make_celery(settings: Settings) -> Celery:
             "priority_steps": list(range(10)),
         }
     app.conf.update(
+        worker_pool="threads",  # one engine per process shared by its threads (worker_signals.py enforces it)
+        worker_send_task_events=True,  # for Flower; Celery turns events off itself on the SQL transport
+        task_send_sent_event=True,
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         task_ignore_result=True,

@@ -339,10 +339,24 @@ def status(ctx: click.Context, job: str | None, watch: bool, as_json: bool) -> N
     if as_json:
         return emit(_job_json(current, c.job_name(session, current)))
     _print_status([(current, c.job_name(session, current))])
+    if note := _stalled(current):
+        err.print(note)
 
 
-def _watch(session, job_id: str):
+def _stalled(job) -> str | None:
+    """The line that says an active job has nothing to run it (no worker beat within its timeout)."""
+    from pipeline.status import ACTIVE_JOB
+
+    if job.status in ACTIVE_JOB and job.workers == 0:
+        return "no worker is running: nothing processes this job until one starts (`enclave worker`)"
+    return None
+
+
+def _watch(session, job_id: str, interval: float = 1.0):
+    """Follow a job until it ends: a bar of finished documents, the rate, the time since it started and the
+    time left, refreshed every `interval` seconds (workers record each document as it finishes)."""
     from pipeline import client as c
+    from pipeline.progress import Rate, elapsed, summary
     from pipeline.status import ACTIVE_JOB
 
     columns = (
@@ -351,20 +365,26 @@ def _watch(session, job_id: str):
         MofNCompleteColumn(),
         TextColumn("{task.fields[state]}"),
     )
+    rate = Rate()
     with Progress(*columns, console=out) as progress:
         task = progress.add_task(job_id[:8], total=None, state="")
         while True:
             current = c.job_status(session, job_id)
             finished = current.done + current.failed
+            active = current.status in ACTIVE_JOB
+            rate.add(time.monotonic(), finished)
+            seconds = elapsed(current.started_at, current.finished_at)
+            speed = summary(finished, current.total, rate.per_second(finished, seconds), seconds, active)
+            note = " · no worker running" if _stalled(current) else ""
             progress.update(
                 task,
                 total=current.total,
                 completed=finished,
-                state=f"{current.status}, {current.failed} failed",
+                state=f"{current.status}, {current.failed} failed · {speed}{note}",
             )
-            if current.status not in ACTIVE_JOB:
+            if not active:
                 return current
-            time.sleep(1.0)
+            time.sleep(interval)
 
 
 @cli.command()
@@ -396,8 +416,11 @@ def _job_json(job, name: str) -> dict:
         "pending": counts.get("pending", 0) + counts.get("leased", 0),
         "cancelled": counts.get("cancelled", 0),
         "created_at": _iso(job.created_at),
+        "started_at": _iso(job.started_at),
         "finished_at": _iso(job.finished_at),
+        "purged_at": _iso(job.purged_at),
         "error": job.error,
+        "workers": job.workers,
     }
 
 
@@ -408,8 +431,9 @@ def _iso(value) -> str | None:
 def _print_status(rows) -> None:
     table = Table("job", "name", "kind", "status", "done", "failed", "total", "created")
     for r, name in rows:
+        status = f"{r.status} (purged)" if r.purged_at else r.status
         table.add_row(
-            r.job_id, name, r.kind, r.status, str(r.done), str(r.failed), str(r.total), _when(r.created_at)
+            r.job_id, name, r.kind, status, str(r.done), str(r.failed), str(r.total), _when(r.created_at)
         )
     out.print(table)
 
@@ -487,6 +511,46 @@ def results(ctx: click.Context, job: str, out_dir: Path, partial: bool, as_json:
         raise UserError(
             f"{len(refused)} of {total} results refused (not opened): {'; '.join(refused[:3])}{more}"
         )
+
+
+@cli.command()
+@click.option("--job", "job", help="Purge this job (its id, or a unique prefix).")
+@click.option(
+    "--older-than", "older_than", help="Purge every job that ended longer ago than this: 30d, 12h, 90m."
+)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def purge(ctx: click.Context, job: str | None, older_than: str | None, yes: bool, as_json: bool) -> None:
+    """Delete jobs' documents and results for good (administrators); the audit log keeps every event and
+    records the purge."""
+    from pipeline.wire.messages import PurgeRequest
+
+    if (job is None) == (older_than is None):
+        raise UserError("give --job ID or --older-than AGE (e.g. 30d)")
+    request = PurgeRequest(job=job, older_than_seconds=None if older_than is None else _age(older_than))
+    what = f"job {job}" if job else f"every job that ended more than {older_than} ago"
+    if not yes and not click.confirm(f"Delete the documents and results of {what}? This cannot be undone"):
+        raise click.exceptions.Abort()
+    report = _session(ctx).api.purge(request)
+    if as_json:
+        return emit(report.model_dump(mode="json"))
+    documents = sum(j.documents for j in report.jobs)
+    results = sum(j.results for j in report.jobs)
+    out.print(f"purged {len(report.jobs)} jobs: {documents} documents and {results} results deleted")
+    if report.jobs and report.database == "postgresql":
+        err.print("PostgreSQL frees the space at its next VACUUM (autovacuum); VACUUM FULL rewrites it now")
+
+
+def _age(text: str) -> int:
+    """ "30d", "12h", "90m" or "45s" in seconds."""
+    units = {"d": 86_400, "h": 3_600, "m": 60, "s": 1}
+    number, unit = text.strip()[:-1], text.strip()[-1:].lower()
+    if unit not in units or not number.isdigit():
+        raise UserError(
+            f"--older-than must be a number of days, hours, minutes or seconds (30d, 12h), got {text!r}"
+        )
+    return int(number) * units[unit]
 
 
 @cli.group()
@@ -762,16 +826,120 @@ def _service_verifier(ctx: click.Context):
 @cli.command()
 @click.option("--concurrency", type=click.IntRange(1, 64), default=2, help="Shard tasks run in threads.")
 @click.option("--until-idle", is_flag=True, help="Process everything queued, then exit 0.")
+@click.option(
+    "--gpu", type=click.IntRange(0, 1023), help="Serve on CUDA device N (its node name: enclave-gpuN)."
+)
+@click.option(
+    "--device", help="Serve on this torch device instead (cpu, cuda:1...; default: ENCLAVE_DEVICE)."
+)
+@click.option("--name", help="Celery node name (default: enclave-gpuN@host, or enclave-<device>-<pid>@host).")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(-1, 65535),
+    help="Port of /metrics and /healthz (default: ENCLAVE_METRICS_PORT, +N with --gpu; 0: any; -1: none).",
+)
 @click.option("--loglevel", default="INFO")
 @click.pass_context
-def worker(ctx: click.Context, concurrency: int, until_idle: bool, loglevel: str) -> None:
-    """Run a GPU worker: serve shard tasks from the broker."""
+def worker(
+    ctx: click.Context,
+    concurrency: int,
+    until_idle: bool,
+    gpu: int | None,
+    device: str | None,
+    name: str | None,
+    metrics_port: int | None,
+    loglevel: str,
+) -> None:
+    """Run a GPU worker: load the engine, then serve shard tasks from the broker."""
     # First: a bad setting stops the worker before it imports or consumes anything.
     settings = settings_of(ctx)
-    from pipeline.worker_process import run_worker
+    from pipeline.worker_process import WorkerOptions, run_worker
 
     _configure_logging(settings, loglevel)
-    raise SystemExit(run_worker(settings, concurrency, until_idle, loglevel))
+    options = WorkerOptions(concurrency, until_idle, loglevel, gpu, device, name, metrics_port)
+    raise SystemExit(run_worker(settings, options))
+
+
+@cli.command()
+@click.option("--all", "show_all", is_flag=True, help="Also workers that stopped or went silent (a week).")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def workers(ctx: click.Context, show_all: bool, as_json: bool) -> None:
+    """On the service host: the workers' health (state, engine, device, queue, documents in flight,
+    heartbeat), from the database."""
+    from pipeline import workers as w
+
+    settings = settings_of(ctx)
+    with _db(settings).transaction() as s:
+        views = w.listing(s, settings.worker.heartbeat_timeout, include_gone=show_all)
+        rows = [_worker_json(v) for v in views]
+    if as_json:
+        return emit(rows)
+    if not rows:
+        return err.print("no worker is running (`enclave worker` starts one; --all shows past ones)")
+    table = Table(
+        "node", "health", "engine", "device", "queues", "in flight", "done", "errors", "heartbeat", "reason"
+    )
+    for r in rows:
+        table.add_row(
+            r["node"],
+            r["health"],
+            "loaded" if r["engine_loaded"] else "-",
+            r["device"] or "",
+            r["queues"],
+            str(r["in_flight"]),
+            str(r["done"]),
+            str(r["errors"]),
+            f"{r['heartbeat_age_s']:.0f}s ago",
+            r["reason"] or "",
+        )
+    out.print(table)
+
+
+def _worker_json(view) -> dict:
+    row = view.row
+    return {
+        "id": row.id,
+        "node": row.node,
+        "host": row.host,
+        "pid": row.pid,
+        "health": view.health,
+        "alive": view.alive,
+        "engine_loaded": row.engine_loaded,
+        "device": row.device,
+        "queues": row.queues,
+        "concurrency": row.concurrency,
+        "in_flight": row.in_flight,
+        "done": row.done,
+        "errors": row.errors,
+        "reason": row.reason,
+        "metrics_url": row.metrics_url,
+        "started_at": _iso(row.started_at),
+        "heartbeat_age_s": round(view.silent_s, 1),
+        "stopped_at": _iso(row.stopped_at),
+    }
+
+
+@cli.group()
+def broker() -> None:
+    """The broker, which only carries shard ids (the database is the source of truth)."""
+
+
+@broker.command("rebuild")
+@click.pass_context
+def broker_rebuild(ctx: click.Context) -> None:
+    """Dispatch every open shard again, from the database, with a new marker (a broker that lost or corrupted
+    its messages; workers also do it themselves when they see the marker gone)."""
+    from pipeline import embedded_broker, rebuild
+    from pipeline.broker_probe import BrokerProbe
+    from pipeline.celery_app import make_celery
+
+    settings = settings_of(ctx)
+    probe = BrokerProbe(settings.broker_url)
+    if probe.path is not None and (moved := embedded_broker.move_aside_if_unreadable(probe.path)):
+        err.print(f"the embedded broker could not be read: moved it to {moved}")
+    count = rebuild.rebuild(make_celery(settings), _db(settings), probe)
+    out.print(f"{count} open shards dispatched again from the database")
 
 
 @cli.command()
@@ -882,7 +1050,7 @@ def serve(
 
 @cli.group()
 def db() -> None:
-    """Database schema."""
+    """The database: its schema (migrations) and backups."""
 
 
 @db.command("upgrade")
@@ -909,6 +1077,23 @@ def db_downgrade(ctx: click.Context, revision: str) -> None:
     database = _db(settings)
     migrate.downgrade(database.engine, revision, settings.migrations)
     out.print(f"database at revision {migrate.current_revision(database.engine) or 'base'}")
+
+
+@db.command("backup")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="Replace FILE if it exists.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def db_backup(ctx: click.Context, file: Path, force: bool, as_json: bool) -> None:
+    """Copy the embedded SQLite database to FILE, consistently, while it is in use (SQLite's backup API;
+    PostgreSQL: pg_dump). The service keys (the home's service/ folder) are not in it: back them up too."""
+    from pipeline.backup import backup
+
+    copy = backup(settings_of(ctx).database_url, file, force)
+    data = {"file": str(copy.path), "bytes": copy.size, "audit_events": copy.audit_events}
+    if as_json:
+        return emit(data)
+    out.print(f"backed up to {copy.path} ({copy.size} bytes, {copy.audit_events} audit events); 0600")
 
 
 @cli.command()
@@ -964,16 +1149,9 @@ def _safe_url(url: str) -> str:
 
 
 def _configure_logging(settings: Settings, level: str = "INFO") -> Path:
-    logs = settings.home / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    file = logs / "enclave.log"
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        handlers=[logging.FileHandler(file), logging.StreamHandler(sys.stderr)],
-        force=True,
-    )
-    return file
+    from pipeline.logs import configure
+
+    return configure(settings, level)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from pipeline.db import Database
 from pipeline.home import init
 from pipeline.results_files import write_results
 from pipeline.settings import Limits, check_engine_env, load_settings
-from pipeline.worker_process import run_worker
+from pipeline.worker_process import WorkerOptions, run_worker
 
 NOTES = Path(__file__).resolve().parent / "demo_notes"
 # A sample of this repository for the code-review job: the `jobs` package (about 20 files). The whole tree
@@ -71,7 +71,10 @@ def run_demo(keep: bool = False) -> int:
             )
         console.print("3. worker: opening envelopes in memory, batching documents through the engine ...")
         t0 = time.perf_counter()
-        run_worker(settings, concurrency=2, until_idle=True, loglevel="WARNING")
+        # no metrics server: the demo is one process that exits when the work is done
+        run_worker(
+            settings, WorkerOptions(concurrency=2, until_idle=True, loglevel="WARNING", metrics_port=-1)
+        )
         console.print(f"   worker finished in {time.perf_counter() - t0:.1f}s")
         table = Table("job", "kind", "documents", "done", "failed", "results")
         failures = []

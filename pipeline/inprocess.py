@@ -14,6 +14,7 @@ import logging
 import anyio.from_thread
 import httpx2 as httpx
 
+from pipeline.logs import file_handler
 from pipeline.settings import Settings
 
 
@@ -73,9 +74,7 @@ def _log_to_home(settings: Settings) -> None:
         logger.removeHandler(handler)
         handler.close()
     try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        handler: logging.Handler = logging.FileHandler(file)
+        handler: logging.Handler = file_handler(settings)  # rotated, in the configured format
     except OSError:  # an unwritable home: the command's own error says so; the API's log is dropped
         handler = logging.NullHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger.addHandler(handler)

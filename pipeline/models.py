@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import ForeignKey, Index, Integer, LargeBinary, String, Text, UniqueConstraint
+from sqlalchemy import Boolean, ForeignKey, Index, Integer, LargeBinary, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from pipeline.status import DocState, JobState, Role
@@ -56,6 +56,8 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    # When `enclave purge` removed its documents and results (the row stays: ids, counts, timings).
+    purged_at: Mapped[datetime | None] = mapped_column(default=None)
 
     documents: Mapped[list[Document]] = relationship(back_populates="job", order_by="Document.index")
 
@@ -147,3 +149,40 @@ class RequestNonce(Base):
     nonce: Mapped[str] = mapped_column(String(64), primary_key=True)
     client: Mapped[str] = mapped_column(String(64))
     seen_at: Mapped[datetime] = mapped_column(index=True)
+
+
+class Worker(Base):
+    """A worker process as it reports itself: registered at start, its heartbeat renewed while it lives. A
+    worker whose heartbeat is older than the heartbeat timeout, or that stopped, is gone: the documents it
+    leased run elsewhere. Rows hold names, counts and content-free reasons only."""
+
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)  # documents.lease_owner of its leases
+    node: Mapped[str] = mapped_column(String(200))  # its Celery node name (unique per worker on a host)
+    host: Mapped[str] = mapped_column(String(200))
+    pid: Mapped[int] = mapped_column(Integer)
+    device: Mapped[str | None] = mapped_column(String(64), default=None)
+    queues: Mapped[str] = mapped_column(String(200), default="")
+    concurrency: Mapped[int] = mapped_column(Integer, default=1)
+    state: Mapped[str] = mapped_column(String(16))  # status.WorkerState
+    reason: Mapped[str | None] = mapped_column(Text, default=None)  # why unhealthy or failed, content-free
+    engine_loaded: Mapped[bool] = mapped_column(Boolean, default=False)
+    in_flight: Mapped[int] = mapped_column(Integer, default=0)  # documents it works on now
+    done: Mapped[int] = mapped_column(Integer, default=0)  # documents it finished, done or failed
+    errors: Mapped[int] = mapped_column(Integer, default=0)  # documents it gave back after internal errors
+    metrics_url: Mapped[str | None] = mapped_column(String(200), default=None)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    stopped_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class BrokerMarker(Base):
+    """The marker last written into the broker: a broker that no longer holds it lost its messages (deleted,
+    corrupted, restarted without persistence), and the open shards are dispatched again from the database."""
+
+    __tablename__ = "broker_marker"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)  # always 1
+    marker: Mapped[str] = mapped_column(String(64))
+    set_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -17,13 +17,14 @@ import dataclasses
 import os
 import sys
 import tomllib
+import types
 import typing
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
 from engine.options import EngineOptions, OptionError, OptionField
@@ -67,12 +68,93 @@ class Limits(_Numbers):
     )
     max_attempts: int = setting("attempts per document before it fails", 3, ge=1, le=100)
     lease_seconds: float = setting(  # 1 s: tests expire leases on purpose
-        "seconds a worker holds a shard before another may take it over", 300.0, ge=1, le=7 * 24 * 3600
+        "seconds a lease on a document lasts unless renewed; a live worker's heartbeats renew it, and a gone "
+        "worker's documents are taken over after the heartbeat timeout",
+        300.0,
+        ge=1,
+        le=7 * 24 * 3600,
     )
     shard_size: int = setting("documents per shard (the unit a worker leases)", 8, ge=1, le=10_000)
     checkpoint_every: int = setting(
         "audit events between two signed checkpoints of the audit log", 100, ge=1, le=1_000_000
     )
+
+
+@dataclass(frozen=True, config=_CHECKED)
+class WorkerSettings(_Numbers):
+    """How a worker shows it is alive, bounds its shards and serves its metrics, from `[worker]` of
+    enclave.toml or ENCLAVE_<NAME>."""
+
+    heartbeat_seconds: float = setting(  # the lease's third at most: a lease must not lapse between beats
+        "seconds between a worker's heartbeats, which renew the leases of the documents it works on (at "
+        "most a third of the lease is used)",
+        10.0,
+        ge=0.1,
+        le=3600,
+    )
+    heartbeat_timeout: float = setting(
+        "seconds without a heartbeat after which a worker counts as gone and its documents run elsewhere",
+        30.0,
+        ge=0.5,
+        le=86_400,
+    )
+    soft_time_limit: float = setting(
+        "seconds a shard may run; then its unfinished documents are stopped and fail (`time_limit`)",
+        3600.0,
+        ge=1,
+        le=7 * 86_400,
+    )
+    time_limit: float = setting(
+        "seconds after which a shard still running is abandoned: its documents fail (`time_limit`) and the "
+        "worker stops taking tasks",
+        3900.0,
+        ge=1,
+        le=7 * 86_400,
+    )
+    max_consecutive_errors: int = setting(
+        "internal errors in a row after which a worker stops taking tasks and reports itself unhealthy",
+        10,
+        ge=1,
+        le=1_000_000,
+    )
+    metrics_port: int = setting(
+        "port of each worker's /metrics and /healthz (`--gpu N` adds N; 0: any free port; -1: none)",
+        9464,
+        ge=-1,
+        le=65535,
+    )
+    metrics_host: str = setting(
+        "address the workers' metrics listen on (0.0.0.0 for a Prometheus on another host)",
+        "127.0.0.1",
+        min_length=1,
+        max_length=255,
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> WorkerSettings:
+        if self.heartbeat_timeout < 2 * self.heartbeat_seconds:
+            raise ValueError(
+                f"heartbeat_timeout (ENCLAVE_HEARTBEAT_TIMEOUT, {_plain(self.heartbeat_timeout)}) must be at "
+                f"least twice heartbeat_seconds (ENCLAVE_HEARTBEAT_SECONDS, {_plain(self.heartbeat_seconds)})"
+            )
+        if self.time_limit < self.soft_time_limit:
+            raise ValueError(
+                f"time_limit (ENCLAVE_TIME_LIMIT, {_plain(self.time_limit)}) must be at least "
+                f"soft_time_limit (ENCLAVE_SOFT_TIME_LIMIT, {_plain(self.soft_time_limit)})"
+            )
+        return self
+
+
+@dataclass(frozen=True, config=_CHECKED)
+class LogSettings(_Numbers):
+    """The log file of `enclave worker`, `serve` and `gateway` (`$ENCLAVE_HOME/logs/enclave.log`), from
+    `[logs]` of enclave.toml or ENCLAVE_<NAME>."""
+
+    log_format: Literal["text", "json"] = setting(
+        "log lines as text, or as one JSON object per line (for a log collector)", "text"
+    )
+    log_max_bytes: int = setting("size at which the log file is rotated", 50_000_000, ge=10_000, le=1 << 40)
+    log_backups: int = setting("rotated log files kept", 5, ge=1, le=1000)
 
 
 # enclave.toml's [engine] table: every flat option of `engine.options.EngineOptions` (its single source, with
@@ -165,6 +247,8 @@ class Settings:
         None,
     )
     limits: Limits = Field(default_factory=Limits)
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    logs: LogSettings = Field(default_factory=LogSettings)
     # the [engine] options given, by flat name: passed to Engine.from_pretrained as is
     engine: dict[str, Any] = Field(default_factory=dict)
     # The key passphrases come from the environment only (never enclave.toml) and are never shown.
@@ -220,6 +304,12 @@ class Settings:
         return self.home / "client"
 
     @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between a worker's heartbeats: `heartbeat_seconds`, but at most a third of the lease, so
+        that a live worker's leases never lapse between two beats."""
+        return min(self.worker.heartbeat_seconds, self.limits.lease_seconds / 3)
+
+    @property
     def model_path(self) -> Path:
         return self.model if self.model is not None else self.home / "models" / "demo"
 
@@ -236,7 +326,11 @@ _TOP = (
     "audit_heads_file",
 )
 # enclave.toml's tables, each a class whose fields are its keys (and ENCLAVE_<KEY>).
-_TABLES: dict[str, type] = {"limits": Limits}  # and [engine]: engine_fields()
+_TABLES: dict[str, type] = {
+    "limits": Limits,
+    "worker": WorkerSettings,
+    "logs": LogSettings,
+}  # and [engine]: engine_fields()
 # The variables holding the passphrases of a home's `service/` and `client/` key files.
 PASSPHRASE_ENV = {"service": "ENCLAVE_SERVICE_PASSPHRASE", "client": "ENCLAVE_CLIENT_PASSPHRASE"}
 # Settings fields read from the environment only: field -> variable.
@@ -265,7 +359,10 @@ def load_settings(env: Mapping[str, str] | None = None, home: Path | None = None
     env = os.environ if env is None else env
     home = home_of(home, env)
     file = _read_toml(home / "enclave.toml")
-    limits = _checked(Limits, *_values(file.get("limits", {}), _names(Limits), env, "[limits] "))
+    tables = {
+        table: _checked(cls, *_values(file.get(table, {}), _names(cls), env, f"[{table}] "))
+        for table, cls in _TABLES.items()
+    }
     engine = _engine_options(file.get("engine", {}), env)
     values, sources = _values(file, _TOP, env)
     values = {
@@ -279,7 +376,7 @@ def load_settings(env: Mapping[str, str] | None = None, home: Path | None = None
     for name in ("model", "migrations", "service_ca", "audit_heads_file"):
         if isinstance(values.get(name), str):
             values[name] = Path(values[name]).expanduser()
-    values |= {"home": home, "limits": limits, "engine": engine}
+    values |= {"home": home, **tables, "engine": engine}
     return _checked(Settings, values, sources)
 
 
@@ -319,8 +416,12 @@ def _checked(cls: type, values: dict[str, Any], sources: dict[str, str]) -> Any:
     try:
         return cls(**values)
     except ValidationError as exc:
-        loc = exc.errors()[0]["loc"]
-        name = str(loc[0]) if loc else ""
+        first = exc.errors()[0]
+        name = str(first["loc"][0]) if first["loc"] else ""
+        if not name and first["type"] == "value_error":  # a rule across fields (a model validator)
+            rule = str(first["msg"]).removeprefix("Value error, ")
+            table = next((f"[{t}] " for t, c in _TABLES.items() if c is cls), "")
+            raise SettingsError(f"{table}settings: {rule}") from None
         if name not in sources:
             raise SettingsError(f"{cls.__name__.lower()} setting {name or '?'} is invalid") from None
         hidden = name in _UNECHOED or not cls.__pydantic_fields__[name].repr
@@ -333,7 +434,9 @@ def _expected(cls: type, name: str) -> str:
     info = cls.__pydantic_fields__[name]
     if accepts := (info.json_schema_extra or {}).get("accepts"):
         return accepts
-    kinds = [a for a in typing.get_args(info.annotation) if a is not type(None)] or [info.annotation]
+    union = typing.get_origin(info.annotation) in (typing.Union, types.UnionType)
+    kinds = [a for a in typing.get_args(info.annotation) if a is not type(None)] if union else []
+    kinds = kinds or [info.annotation]
     if typing.get_origin(kinds[0]) is Literal:
         return f"one of {', '.join(typing.get_args(kinds[0]))}"
     bounds = [getattr(m, k) for m in info.metadata for k in ("ge", "le") if hasattr(m, k)]
@@ -343,7 +446,9 @@ def _expected(cls: type, name: str) -> str:
     return "a path" if kinds[0] is Path else "text"
 
 
-def _plain(number: float) -> str:
+def _plain(number: float | str) -> str:
+    if isinstance(number, str):
+        return number
     return str(int(number)) if float(number).is_integer() else str(number)
 
 

@@ -1,18 +1,20 @@
 """Processing one shard: verify its job, lease its documents, open them in memory, run the job kind through
-the engine, then seal, sign and record each result exactly once. Whatever one document raises stays with
-it: it fails alone, or is given back for a retry. Logs carry ids, counts and timings only."""
+the engine, then seal, sign and record each result exactly once, as each document finishes (so progress moves
+per document, not per shard). Whatever one document raises stays with it: it fails alone, or is given back
+for a retry. A shard whose job ends (cancelled) or that runs past the soft time limit has its engine requests
+aborted by the watchdog (`watchdog.py`): a cancelled job's documents are left as the cancel made them, a timed
+out shard's fail with a `time_limit` reason. Logs carry ids, counts and timings only."""
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.errors import EngineError
+from engine.errors import RequestAborted, RequestError
 from jobs import make_kind
 from jobs.base import (
     INVALID_REQUEST,
@@ -28,10 +30,13 @@ from jobs.base import Document as OpenedDocument
 from pipeline import audit, audit_anchor, envelope, keys, store
 from pipeline.db import Database
 from pipeline.errors import stack_without_message
+from pipeline.health import Health
+from pipeline.inflight import InFlight, ShardRun, Stop
 from pipeline.manifests import JobRejected, ManifestVerifier
 from pipeline.models import Job
 from pipeline.settings import Settings
 from pipeline.status import ACTIVE_JOB, DocState
+from pipeline.watchdog import time_limit_reason
 
 log = logging.getLogger("enclave.worker")
 
@@ -72,7 +77,7 @@ def _code_of(result: DocumentResult) -> str | None:
 ENGINE_REFUSED = "the engine refused the request (see the sealed detail)"
 
 
-def _engine_refused(exc: EngineError) -> DocumentError:
+def _engine_refused(exc: RequestError) -> DocumentError:
     # The reason in clear is fixed; the engine's own message goes only into the sealed detail.
     return DocumentError(f"{ENGINE_REFUSED}: {type(exc).__name__}", code=INVALID_REQUEST, detail=str(exc))
 
@@ -83,12 +88,25 @@ class Resources(Protocol):
     settings: Settings
     db: Database
     worker_id: str
+    inflight: InFlight
+    health: Health
 
     @property
     def identity(self) -> keys.Identity: ...
 
     @property
     def model(self) -> EngineModel: ...
+
+    def observe_shard(self, seconds: float, outcomes: dict[str, int]) -> None: ...
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A document whose engine requests are submitted: its futures, or the error that stopped them."""
+
+    item: Leased
+    doc: OpenedDocument
+    futures: list[Future] | Exception
 
 
 class ShardProcessor:
@@ -98,9 +116,11 @@ class ShardProcessor:
         self.res = resources
         self.settings = resources.settings
         self.db = resources.db
-        self.worker_id = resources.worker_id
         self.verifier = ManifestVerifier(lambda: resources.identity)
-        self._engine_seconds = threading.local()  # time waiting on the engine's futures, per shard thread
+
+    @property
+    def worker_id(self) -> str:
+        return self.res.worker_id
 
     @property
     def identity(self) -> keys.Identity:
@@ -133,7 +153,13 @@ class ShardProcessor:
             return
         with self.db.transaction() as s:
             leased, exhausted = store.lease(
-                s, job_id, shard, self.worker_id, limits.lease_seconds, limits.max_attempts
+                s,
+                job_id,
+                shard,
+                self.worker_id,
+                limits.lease_seconds,
+                limits.max_attempts,
+                heartbeat_timeout=self.settings.worker.heartbeat_timeout,
             )
             for doc in exhausted:
                 store.give_up(s, doc, limits.max_attempts, self.worker_id)
@@ -142,21 +168,29 @@ class ShardProcessor:
             work = [Leased(d.id, d.index, d.sealed) for d in leased]
         if not work:
             return
-        kind = self._kind(job_id, verified.manifest["kind"], verified.params)
-        if kind is None:
-            return
-        outcomes = self._run(job_id, kind, work, verified.hashes, priority)
-        recorded = self._record(job_id, outcomes, verified.client_x25519)
+        run = self.res.inflight.begin(job_id, shard, [w.id for w in work])
+        try:
+            kind = self._kind(job_id, verified.manifest["kind"], verified.params)
+            if kind is None:
+                return
+            recorded = self._run(run, job_id, kind, work, verified.hashes, priority, verified.client_x25519)
+        finally:
+            self.res.inflight.end(run)
         done, failed = recorded.count(DocState.DONE), recorded.count(DocState.FAILED)
+        # not recorded here: given back after an internal error, cancelled, or taken over by another worker
+        counts = {"done": done, "failed": failed, "not_recorded": len(work) - done - failed}
+        seconds = time.perf_counter() - start
+        self.res.observe_shard(seconds, counts)
         log.info(
-            "job %s shard %d: %d documents, %d done, %d failed in %.3fs (engine %.3fs)",
+            "job %s shard %d: %d documents, %d done, %d failed, %d not recorded in %.3fs%s",
             job_id,
             shard,
             len(work),
-            done,
-            failed,
-            time.perf_counter() - start,
-            getattr(self._engine_seconds, "value", 0.0),
+            counts["done"],
+            counts["failed"],
+            counts["not_recorded"],
+            seconds,
+            f" ({run.stopped})" if run.stopped else "",
         )
 
     def _kind(self, job_id: str, kind: str, params: dict) -> JobKind | None:
@@ -172,9 +206,105 @@ class ShardProcessor:
             self._checkpoint(s, force=True)
         return None
 
-    def _record(self, job_id: str, outcomes: list[Outcome], client_x25519: bytes) -> list[str | bool]:
-        """Seal, sign and store each outcome, one commit for the shard. A document whose result cannot be
-        sealed or stored is given back alone (a savepoint each); its neighbours are recorded."""
+    def _run(
+        self,
+        run: ShardRun,
+        job_id: str,
+        kind: JobKind,
+        work: list[Leased],
+        hashes: dict[str, str],
+        priority: int,
+        client_x25519: bytes,
+    ) -> list[str | bool]:
+        """Open, submit and record the shard's documents, each as soon as its requests finish; what was
+        recorded for each (see `_record`). Whatever one document raises stays with it: a `DocumentError` fails
+        it, anything else gives it back for a retry."""
+        early: list[Outcome] = []
+        pending: list[_Pending] = []
+        for item in work:
+            try:
+                doc = self._open(job_id, item, hashes)
+                requests = kind.requests(doc, self.model)
+            except DocumentError as exc:
+                self._fail(early, kind, item, exc)
+                continue
+            except Exception as exc:  # a bug or an outage: retry later, keep the reason content-free
+                self._give_back(run, item, exc)
+                continue
+            pending.append(_Pending(item, doc, self._submit_all(run, self.model.engine, requests, priority)))
+        recorded = self._record(run, job_id, early, client_x25519)
+        while pending:
+            running = [f for p in pending if isinstance(p.futures, list) for f in p.futures if not f.done()]
+            if running:  # the documents whose requests are all done are recorded below, without waiting
+                wait(running, return_when=FIRST_COMPLETED)
+            ready = [
+                p for p in pending if not isinstance(p.futures, list) or all(f.done() for f in p.futures)
+            ]
+            pending = [p for p in pending if p not in ready]
+            outcomes = [o for p in ready if (o := self._outcome(run, kind, p)) is not None]
+            recorded += self._record(run, job_id, outcomes, client_x25519)
+        return recorded
+
+    def _submit_all(self, run: ShardRun, engine, requests: list[EngineRequest], priority: int):
+        """A document's requests submitted to the engine's shared loop (requests from every shard and job in
+        this process batch together), or the error that stopped them. A shard stopped meanwhile gets its
+        requests aborted at once."""
+        futures: list[Future] = []
+        try:
+            for request in requests:
+                futures.append(self._submit(engine, request, priority))
+        except RequestError as exc:  # invalid request: the document fails alone, with the reason
+            engine.abort(futures)
+            return _engine_refused(exc)
+        except Exception as exc:
+            engine.abort(futures)
+            return exc
+        if not self.res.inflight.add_futures(run, futures):
+            engine.abort(futures)
+        return futures
+
+    def _outcome(self, run: ShardRun, kind: JobKind, pending: _Pending) -> Outcome | None:
+        """The outcome of a document whose requests all finished; None when it is given back or left alone
+        (its job was cancelled, or its shard abandoned past the hard time limit)."""
+        item = pending.item
+        try:
+            if isinstance(pending.futures, Exception):
+                raise pending.futures
+            outputs = [f.result() for f in pending.futures]
+            result = kind.result(pending.doc, outputs)
+        except RequestAborted:
+            if run.stopped is Stop.SOFT_TIME_LIMIT:
+                reason = time_limit_reason("soft", self.settings.worker.soft_time_limit)
+                return self._failure(kind, item, DocumentError(reason, code="time_limit"))
+            return None
+        except RequestError as exc:
+            return self._failure(kind, item, _engine_refused(exc))
+        except DocumentError as exc:
+            return self._failure(kind, item, exc)
+        except Exception as exc:
+            self._give_back(run, item, exc)
+            return None
+        return Outcome(item, result, _code_of(result))
+
+    def _failure(self, kind: JobKind, item: Leased, error: DocumentError) -> Outcome | None:
+        try:
+            return Outcome(item, kind.failure(error), _bounded_code(error.code))
+        except Exception as exc:
+            self._give_back(None, item, exc)
+            return None
+
+    def _fail(self, outcomes: list[Outcome], kind: JobKind, item: Leased, error: DocumentError) -> None:
+        if (outcome := self._failure(kind, item, error)) is not None:
+            outcomes.append(outcome)
+
+    def _record(
+        self, run: ShardRun, job_id: str, outcomes: list[Outcome], client_x25519: bytes
+    ) -> list[str | bool]:
+        """Seal, sign and store each outcome, one commit for them all. A document whose result cannot be
+        sealed or stored is given back alone (a savepoint each); its neighbours are recorded. Returns, per
+        document recorded, its status, or False when its lease was no longer this worker's."""
+        if not outcomes or run.stopped is Stop.HARD_TIME_LIMIT:
+            return []
         prepared: list[tuple[Outcome, bytes, bytes]] = []
         for outcome in outcomes:
             try:
@@ -182,10 +312,10 @@ class ShardProcessor:
                 statement = store.result_statement(job_id, outcome.item.id, sealed, outcome.result.status)
                 prepared.append((outcome, sealed, self.identity.sign(statement)))
             except Exception as exc:
-                self._give_back(outcome.item, exc)
+                self._give_back(run, outcome.item, exc)
         recorded: list[str | bool] = []
         unrecorded: list[tuple[Leased, Exception]] = []
-        with self.db.transaction() as s:  # one commit per shard; the lease check stays per document
+        with self.db.transaction() as s:  # one commit; the lease check stays per document
             for outcome, sealed, signature in prepared:
                 result = outcome.result
                 details = {"code": outcome.code} if result.status == DocState.FAILED else None
@@ -209,8 +339,10 @@ class ShardProcessor:
                 recorded.append(ok and result.status)
             finished = store.complete_job_if_finished(s, job_id, self.worker_id)
             self._checkpoint(s, force=finished)
+        self.res.inflight.finished(run, [o.item.id for o, _, _ in prepared])
+        self.res.health.success(len(recorded))
         for item, exc in unrecorded:
-            self._give_back(item, exc)
+            self._give_back(run, item, exc)
         return recorded
 
     def _open(self, job_id: str, item: Leased, hashes: dict[str, str]) -> OpenedDocument:
@@ -229,76 +361,6 @@ class ShardProcessor:
             raise DocumentError(f"document is {len(data)} bytes; the limit is {limit}", code="too_large")
         return OpenedDocument(path=path, data=data)
 
-    def _run(
-        self, job_id: str, kind: JobKind, work: list[Leased], hashes: dict[str, str], priority: int
-    ) -> list[Outcome]:
-        """Each document's outcome. Whatever one document raises stays with it: a `DocumentError` fails it,
-        anything else gives it back for a retry (and it is left out here)."""
-        outcomes: list[Outcome] = []
-        ready: list[tuple[Leased, OpenedDocument, list[EngineRequest]]] = []
-        for item in work:
-            try:
-                doc = self._open(job_id, item, hashes)
-                ready.append((item, doc, kind.requests(doc, self.model)))
-            except DocumentError as exc:
-                self._fail(outcomes, kind, item, exc)
-            except Exception as exc:  # a bug or an outage: retry later, keep the reason content-free
-                self._give_back(item, exc)
-        generated = self._generate([r for _, _, r in ready], priority)
-        for (item, doc, _), outputs in zip(ready, generated, strict=True):
-            if isinstance(outputs, DocumentError):
-                self._fail(outcomes, kind, item, outputs)
-                continue
-            if isinstance(outputs, Exception):
-                self._give_back(item, outputs)
-                continue
-            try:
-                result = kind.result(doc, outputs)
-            except DocumentError as exc:
-                self._fail(outcomes, kind, item, exc)
-                continue
-            except Exception as exc:
-                self._give_back(item, exc)
-                continue
-            outcomes.append(Outcome(item, result, _code_of(result)))
-        return outcomes
-
-    def _fail(self, outcomes: list[Outcome], kind: JobKind, item: Leased, error: DocumentError) -> None:
-        try:
-            outcomes.append(Outcome(item, kind.failure(error), _bounded_code(error.code)))
-        except Exception as exc:
-            self._give_back(item, exc)
-
-    def _generate(self, batches: list[list[EngineRequest]], priority: int) -> list[list | Exception]:
-        """Each document's outputs, through the engine's shared loop: requests from every shard and job
-        in this process batch together. A request the engine refuses fails its document alone
-        (DocumentError); any other failure gives the document back for a retry."""
-        if not batches:
-            return []
-        engine = self.model.engine
-        start = time.perf_counter()
-        pending: list[list[Future] | Exception] = []
-        for batch in batches:
-            try:
-                pending.append([self._submit(engine, r, priority) for r in batch])
-            except EngineError as exc:  # invalid request: the document fails alone, with the reason
-                pending.append(_engine_refused(exc))
-            except Exception as exc:
-                pending.append(exc)
-        results: list[list | Exception] = []
-        for futures in pending:
-            if isinstance(futures, Exception):
-                results.append(futures)
-                continue
-            try:
-                results.append([f.result() for f in futures])
-            except EngineError as exc:
-                results.append(_engine_refused(exc))
-            except Exception as exc:
-                results.append(exc)
-        self._engine_seconds.value = time.perf_counter() - start
-        return results
-
     @staticmethod
     def _submit(engine, request: EngineRequest, priority: int) -> Future:
         # Chat-rendered text holds its special tokens already; the job's priority 0..9 (higher first)
@@ -311,11 +373,16 @@ class ShardProcessor:
             add_special_tokens=request.add_special_tokens,
         )
 
-    def _give_back(self, item: Leased, exc: Exception) -> None:
+    def _give_back(self, run: ShardRun | None, item: Leased, exc: Exception) -> None:
+        """Return a document for a retry after an internal error (one attempt counted); the worker's health
+        counts it."""
         reason = f"internal error ({type(exc).__name__})"
         log.error("document %s: %s: %s", item.id, reason, stack_without_message(exc))
         with self.db.transaction() as s:
             store.release(s, item.id, self.worker_id, reason)
+        if run is not None:
+            self.res.inflight.finished(run, [item.id])
+        self.res.health.error(reason)
 
     def _seal(self, job_id: str, item: Leased, result: DocumentResult, client_x25519: bytes) -> bytes:
         """The result record sealed to the submitter. `detail` is the full reason of a failure, which may

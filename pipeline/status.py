@@ -39,6 +39,18 @@ class Role(StrEnum):
     ADMIN = "admin"
 
 
+class WorkerState(StrEnum):
+    """starting (loading its engine) -> ready | failed (could not start); ready -> unhealthy (stopped taking
+    tasks after repeated internal errors or a hung shard) -> stopped. A worker whose heartbeat is older than
+    the heartbeat timeout is gone, whatever its last state says."""
+
+    STARTING = "starting"
+    READY = "ready"
+    UNHEALTHY = "unhealthy"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
 ACTIVE_JOB = (JobState.QUEUED, JobState.RUNNING)
 TERMINAL_DOC = (DocState.DONE, DocState.FAILED, DocState.CANCELLED)
 OPEN_DOC = (DocState.PENDING, DocState.LEASED)

@@ -1,6 +1,10 @@
 """Job and document state transitions. The database is the source of truth: documents are leased, and a
 result is written once, in the same transaction that finishes its document, together with its audit event.
 
+Leases live while work lives: a worker's heartbeat renews the leases of the documents it works on
+(`renew`), and a lease is taken over once it expires or its owner is gone (stopped, or silent for longer than
+the heartbeat timeout: `pipeline.workers`).
+
 Retries and crashes are counted apart. `attempts` counts the failures of the document itself (given back
 after an error, or failed); `max_attempts` of them fail it for good. A lease that expires without a result
 (the worker died or hung) is counted in `lease_expiries` instead and does not burn an attempt. So a document
@@ -20,7 +24,7 @@ from datetime import timedelta
 from sqlalchemy import and_, case, func, insert, not_, or_, select, update
 from sqlalchemy.orm import Session
 
-from pipeline import audit
+from pipeline import audit, workers
 from pipeline.envelope import result_statement  # noqa: F401 (the worker signs it, the client checks it)
 from pipeline.models import Document, Job, Result, utcnow
 from pipeline.reasons import MAX_REASON, bounded  # noqa: F401 (store.bounded, store.MAX_REASON)
@@ -38,6 +42,14 @@ def document_counts(session: Session, job_id: str) -> dict[str, int]:
     return {str(status): n for status, n in rows}
 
 
+def _lapsed(now, heartbeat_timeout: float | None):
+    """A leased document whose lease expired, or whose owner is gone (with a `heartbeat_timeout`)."""
+    lapsed = Document.lease_until < now
+    if heartbeat_timeout is not None:
+        lapsed = or_(lapsed, Document.lease_owner.in_(workers.gone(heartbeat_timeout, now)))
+    return and_(Document.status == DocState.LEASED, lapsed)
+
+
 def lease(
     session: Session,
     job_id: str,
@@ -46,15 +58,17 @@ def lease(
     lease_seconds: float,
     max_attempts: int,
     max_lease_expiries: int = MAX_LEASE_EXPIRIES,
+    heartbeat_timeout: float | None = None,
 ) -> tuple[list[Document], list[Document]]:
-    """Lease the shard's pending (or expired) documents to `owner`, in one atomic UPDATE.
+    """Lease the shard's pending (or lapsed) documents to `owner`, in one atomic UPDATE.
 
-    Taking over an expired lease counts one more lease expiry, not an attempt. Returns (leased, exhausted):
+    A lease lapses when it expires or, given `heartbeat_timeout`, when its owner is gone (`workers.gone`).
+    Taking over a lapsed lease counts one more lease expiry, not an attempt. Returns (leased, exhausted):
     documents now leased, and documents that used `max_attempts` failures or `max_lease_expiries` expiries
     and must be failed by the caller (`give_up`).
     """
     now = utcnow()
-    expired = and_(Document.status == DocState.LEASED, Document.lease_until < now)
+    expired = _lapsed(now, heartbeat_timeout)
     available = and_(
         Document.job_id == job_id, Document.shard == shard, or_(Document.status == DocState.PENDING, expired)
     )
@@ -180,6 +194,54 @@ def fail_unopened(session: Session, doc: Document, error: str, actor: str) -> No
         complete_job_if_finished(session, doc.job_id, actor)
 
 
+def renew(session: Session, owner: str, doc_ids: list[str], lease_seconds: float) -> int:
+    """Extend `owner`'s leases on `doc_ids` (the documents it is working on) by `lease_seconds` from now: a
+    heartbeat. Returns how many it still held."""
+    if not doc_ids:
+        return 0
+    return session.execute(
+        update(Document)
+        .where(Document.id.in_(doc_ids), Document.status == DocState.LEASED, Document.lease_owner == owner)
+        .values(lease_until=utcnow() + timedelta(seconds=lease_seconds))
+    ).rowcount
+
+
+def taken_over(session: Session, owner: str, doc_ids: list[str]) -> int:
+    """How many of `doc_ids` another owner holds now (leased again after `owner` was taken for gone)."""
+    if not doc_ids:
+        return 0
+    return session.scalar(
+        select(func.count())
+        .select_from(Document)
+        .where(Document.id.in_(doc_ids), Document.status == DocState.LEASED, Document.lease_owner != owner)
+    )
+
+
+def abandon(session: Session, doc_ids: list[str], owner: str, reason: str, actor: str) -> int:
+    """Fail `owner`'s leased documents that will get no result from it (a shard that ran past its hard time
+    limit), each with `reason` and its audit event; the attempt counts. Returns how many it still held."""
+    reason = bounded(reason)
+    failed = session.execute(
+        update(Document)
+        .where(Document.id.in_(doc_ids), Document.status == DocState.LEASED, Document.lease_owner == owner)
+        .values(status=DocState.FAILED, error=reason, lease_until=None, attempts=Document.attempts + 1)
+        .returning(Document.id, Document.job_id)
+    ).all()
+    for doc_id, job_id in failed:
+        audit.append(
+            session,
+            actor=actor,
+            action=audit.DOCUMENT_FAILED,
+            job_id=job_id,
+            document_id=doc_id,
+            outcome="error",
+            details={"error": reason, "code": "time_limit"},
+        )
+    for job_id in {job_id for _, job_id in failed}:
+        complete_job_if_finished(session, job_id, actor)
+    return len(failed)
+
+
 def release(session: Session, doc_id: str, owner: str, error: str) -> None:
     """Give a lease back after a failure that may be transient; it counts one attempt, and the next lease
     retries until `max_attempts`."""
@@ -263,9 +325,12 @@ def fail_job(session: Session, job_id: str, reason: str, actor: str) -> bool:
     return True
 
 
-def shards_to_dispatch(session: Session, lease_seconds: float) -> list[tuple[str, int]]:
-    """(job, shard) pairs with work that no live task covers: expired leases, or pending documents whose
-    dispatch is older than a lease (its message may be lost). Dispatching twice is harmless."""
+def shards_to_dispatch(
+    session: Session, lease_seconds: float, heartbeat_timeout: float | None = None
+) -> list[tuple[str, int]]:
+    """(job, shard) pairs with work that no live task covers: lapsed leases (expired, or held by a gone
+    worker), or pending documents never dispatched or whose dispatch is older than a lease (its message may be
+    lost). Dispatching twice is harmless."""
     now = utcnow()
     stale = now - timedelta(seconds=lease_seconds)
     rows = session.execute(
@@ -274,7 +339,7 @@ def shards_to_dispatch(session: Session, lease_seconds: float) -> list[tuple[str
         .where(Job.status.in_(ACTIVE_JOB))
         .where(
             or_(
-                and_(Document.status == DocState.LEASED, Document.lease_until < now),
+                _lapsed(now, heartbeat_timeout),
                 and_(
                     Document.status == DocState.PENDING,
                     or_(Document.dispatched_at.is_(None), Document.dispatched_at < stale),
@@ -285,6 +350,28 @@ def shards_to_dispatch(session: Session, lease_seconds: float) -> list[tuple[str
         .order_by(Document.job_id, Document.shard)
     ).all()
     return [(job_id, shard) for job_id, shard in rows]
+
+
+def open_shards(session: Session) -> list[tuple[str, int]]:
+    """Every (job, shard) of an active job with a document not finished: what a broker that lost its
+    messages must be told again."""
+    rows = session.execute(
+        select(Document.job_id, Document.shard)
+        .join(Job, Job.id == Document.job_id)
+        .where(Job.status.in_(ACTIVE_JOB), Document.status.in_(OPEN_DOC))
+        .distinct()
+        .order_by(Document.job_id, Document.shard)
+    ).all()
+    return [(job_id, shard) for job_id, shard in rows]
+
+
+def ended_jobs(session: Session, job_ids: list[str]) -> list[str]:
+    """Which of `job_ids` are no longer active (cancelled, or failed as a whole): their work should stop."""
+    if not job_ids:
+        return []
+    return list(
+        session.scalars(select(Job.id).where(Job.id.in_(job_ids), Job.status.not_in(ACTIVE_JOB))).all()
+    )
 
 
 def mark_dispatched(session: Session, job_id: str, shard: int) -> None:

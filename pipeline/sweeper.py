@@ -1,6 +1,8 @@
-"""The sweeper: a thread in every worker that re-dispatches shards whose leases expired or whose broker
-messages may be lost (the embedded transport never redelivers, Redis only after its visibility timeout).
-Dispatching twice is harmless: leases make a late or repeated task find nothing to do."""
+"""The sweeper: a thread in every worker that dispatches work no live task covers: shards whose leases lapsed
+(expired, or held by a worker that is gone), pending documents never dispatched or whose message may be lost
+(the embedded transport never redelivers, Redis only after its visibility timeout), and, when the broker lost
+its marker, every open shard (`rebuild.py`). Dispatching twice is harmless: leases make a late or repeated
+task find nothing to do."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import threading
 
 from celery import Celery
 
-from pipeline import store
+from pipeline import rebuild, store
+from pipeline.broker_probe import BrokerProbe
 from pipeline.db import Database
 from pipeline.dispatch import dispatch_shard
 from pipeline.errors import stack_without_message
@@ -20,32 +23,47 @@ log = logging.getLogger("enclave.worker")
 
 
 class Sweeper:
-    """Re-dispatches lost work every half lease (between 0.5 and 30 s)."""
+    """Sweeps once per heartbeat interval, so a gone worker's documents run again within about the heartbeat
+    timeout plus one interval."""
 
     def __init__(self, app: Celery, db: Database, settings: Settings) -> None:
         self.app = app
         self.db = db
         self.settings = settings
+        self.probe = BrokerProbe(settings.broker_url)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def sweep(self) -> int:
-        """Re-dispatch shards whose leases expired or whose messages may be lost. Returns how many."""
+        """Dispatch the shards no live task covers; how many reached the broker. Only those are marked
+        dispatched: a shard whose message could not be sent is tried again at the next sweep."""
+        if rebuild.check(self.app, self.db, self.probe):
+            return 0  # every open shard was just dispatched again
+        limits, timeout = self.settings.limits, self.settings.worker.heartbeat_timeout
         with self.db.transaction() as s:
-            pairs = store.shards_to_dispatch(s, self.settings.limits.lease_seconds)
+            pairs = store.shards_to_dispatch(s, limits.lease_seconds, timeout)
             priorities = {j: s.get(Job, j).priority for j, _ in pairs}
-            for job_id, shard in pairs:
-                store.mark_dispatched(s, job_id, shard)
+        sent = []
         for job_id, shard in pairs:
-            dispatch_shard(self.app, job_id, shard, priorities[job_id])
-        if pairs:
-            log.info("sweeper re-dispatched %d shards", len(pairs))
-        return len(pairs)
+            try:
+                dispatch_shard(self.app, job_id, shard, priorities[job_id])
+            except Exception as exc:
+                log.warning(
+                    "sweeper: the broker refused a dispatch (%s); trying again later", type(exc).__name__
+                )
+                break
+            sent.append((job_id, shard))
+        with self.db.transaction() as s:
+            for job_id, shard in sent:
+                store.mark_dispatched(s, job_id, shard)
+        if sent:
+            log.info("sweeper dispatched %d shards", len(sent))
+        return len(sent)
 
     def start(self) -> None:
         if self._thread is not None:
             return
-        interval = min(30.0, max(0.5, self.settings.limits.lease_seconds / 2))
+        interval = self.settings.heartbeat_interval
 
         def loop() -> None:
             while not self._stop.is_set():

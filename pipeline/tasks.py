@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from celery import shared_task, signals
+from celery import shared_task
 
+from pipeline import worker_signals  # noqa: F401 (connects the worker's start, readiness and shutdown)
 from pipeline.dispatch import PROCESS_SHARD, dispatch_shard
 
 __all__ = ["PROCESS_SHARD", "dispatch_shard", "process_shard"]
@@ -15,17 +16,3 @@ def process_shard(self, job_id: str, shard: int) -> None:
     from pipeline.worker import runtime_for
 
     runtime_for(self.app).process_shard(job_id, int(shard))
-
-
-@signals.worker_ready.connect
-def _start_sweeper(sender=None, **_kwargs) -> None:
-    from pipeline.worker import runtime_for
-
-    runtime_for(sender.app).start_sweeper()
-
-
-@signals.worker_shutdown.connect
-def _stop_sweeper(sender=None, **_kwargs) -> None:
-    from pipeline.worker import runtime_for
-
-    runtime_for(sender.app).stop_sweeper()

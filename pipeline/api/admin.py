@@ -1,17 +1,17 @@
-"""Administrators' operations on the allow-list (list, add, revoke); the audit log's are in `audit.py`. Only
-callers with the `admin` role reach them (403 otherwise); each change is audited with the administrator as
-actor."""
+"""Administrators' operations: the allow-list (list, add, revoke) and purging jobs (`pipeline/purge.py`);
+the audit log's are in `audit.py`. Only callers with the `admin` role reach them (403 otherwise); each change
+is audited with the administrator as actor."""
 
 from __future__ import annotations
 
 from sqlalchemy import select
 
-from pipeline import audit, keys
+from pipeline import audit, keys, purge
 from pipeline.api.auth import Caller
-from pipeline.api.errors import ApiError, malformed
+from pipeline.api.errors import ApiError, conflict, malformed
 from pipeline.db import Database
 from pipeline.home import add_client
-from pipeline.models import Client, utcnow
+from pipeline.models import Client, Job, utcnow
 from pipeline.wire import messages as m
 
 
@@ -75,3 +75,29 @@ class Admin:
                 details={"client": client.fingerprint},
             )
             return _info(client)
+
+    def purge(self, caller: Caller, request: m.PurgeRequest) -> m.PurgeReport:
+        """Purge one job (any client's) or every job ended before the cut-off; each purge is audited."""
+        self.check(caller)
+        if request.job is not None:
+            try:
+                done = [purge.purge_job(self.db, self._job(request.job), caller.fingerprint)]
+            except purge.PurgeRefused as exc:
+                raise conflict(str(exc)) from None
+        else:
+            done = purge.purge_older_than(self.db, request.older_than_seconds, caller.fingerprint)
+        jobs = [m.PurgedJob(job_id=p.job_id, documents=p.documents, results=p.results) for p in done]
+        return m.PurgeReport(jobs=jobs, database=self.db.engine.dialect.name)
+
+    def _job(self, ref: str) -> str:
+        """The id of the one job `ref` (an id or a unique prefix) names, whoever submitted it."""
+        ref = ref.strip().lower()
+        with self.db.transaction() as s:
+            matches = s.scalars(select(Job.id).where(Job.id.startswith(ref, autoescape=True)).limit(2)).all()
+        if len(matches) != 1:
+            raise ApiError(
+                404 if not matches else 400,
+                "not_found" if not matches else "ambiguous_job",
+                f"{len(matches)} jobs match {ref[:36]!r}; give more of the id",
+            )
+        return matches[0]

@@ -6,6 +6,7 @@ an unexpected error is logged by type and stack only (its message may quote data
 | route | who | does |
 |---|---|---|
 | `GET /v1/health` | anyone | liveness and the request size bound |
+| `GET /metrics` | anyone | Prometheus: requests, jobs, documents, workers, queue depth (counts only) |
 | `POST /v1/jobs`, `POST /v1/jobs/{id}/documents`, `POST /v1/jobs/{id}/submit` | clients | a chunked submit |
 | `GET /v1/jobs`, `GET /v1/jobs/{id}` | clients | own jobs, one job's status (`id`: or a unique prefix) |
 | `POST /v1/jobs/{id}/cancel` | clients | cancel an own job |
@@ -14,14 +15,17 @@ an unexpected error is logged by type and stack only (its message may quote data
 | `GET /v1/audit?after=&before=&limit=&job=&action=&since=&until=&order=` | admins | the log, page by page |
 | `GET /v1/audit/head` | admins | the latest signed tree head |
 | `GET /v1/audit/proof?event=`, `GET /v1/audit/consistency?from=` | admins | inclusion, consistency proofs |
+| `POST /v1/purge` | admins | purge a job, or every job ended before a cut-off |
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -37,8 +41,10 @@ from pipeline.api.audit import AuditLog, AuditQuery
 from pipeline.api.auth import Authenticator, Caller
 from pipeline.api.errors import ApiError, malformed
 from pipeline.api.jobs import Dispatcher, Jobs
+from pipeline.broker_probe import BrokerProbe
 from pipeline.db import Database
 from pipeline.errors import database_message, stack_without_message
+from pipeline.metrics import ServiceCollector
 from pipeline.settings import Settings
 from pipeline.wire import messages as m
 from pipeline.wire import signing
@@ -61,31 +67,65 @@ class Service:
         self.jobs = Jobs(self.db, settings, self.dispatcher)
         self.admin = Admin(self.db)
         self.audit = AuditLog(self.db)
+        self.metrics = ApiMetrics(self)
 
     def close(self) -> None:
         self.dispatcher.close()
         self.db.dispose()
 
 
+class ApiMetrics:
+    """The API's Prometheus registry: requests by route template, method and status, their durations, and
+    the service's state from the database and the broker (`metrics.ServiceCollector`)."""
+
+    def __init__(self, service: Service) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "enclave_api_requests",
+            "API requests answered, by route template, method and status code.",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.seconds = Histogram(
+            "enclave_api_request_duration_seconds",
+            "Seconds to answer an API request, by route template.",
+            ["route"],
+            registry=self.registry,
+        )
+        probe = BrokerProbe(service.settings.broker_url)
+        timeout = service.settings.worker.heartbeat_timeout
+        self.registry.register(ServiceCollector(service.db, probe, timeout))
+
+    def observe(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.requests.labels(route, method, str(status)).inc()
+        self.seconds.labels(route).observe(seconds)
+
+
 def create_app(service: Service) -> Starlette:
     """The ASGI app serving `service`."""
     api = _Routes(service)
+
+    def route(path: str, operation: Operation, method: str) -> Route:
+        return Route(path, api.signed(path, operation), methods=[method])
+
     routes = [
         Route("/v1/health", api.health, methods=["GET"]),
-        Route("/v1/jobs", api.signed(api.begin), methods=["POST"]),
-        Route("/v1/jobs", api.signed(api.list_jobs), methods=["GET"]),
-        Route("/v1/jobs/{job}", api.signed(api.status), methods=["GET"]),
-        Route("/v1/jobs/{job}/documents", api.signed(api.documents), methods=["POST"]),
-        Route("/v1/jobs/{job}/submit", api.signed(api.submit), methods=["POST"]),
-        Route("/v1/jobs/{job}/cancel", api.signed(api.cancel), methods=["POST"]),
-        Route("/v1/jobs/{job}/results", api.signed(api.results), methods=["GET"]),
-        Route("/v1/clients", api.signed(api.clients), methods=["GET"]),
-        Route("/v1/clients", api.signed(api.add_client), methods=["POST"]),
-        Route("/v1/clients/{fingerprint}/revoke", api.signed(api.revoke), methods=["POST"]),
-        Route("/v1/audit", api.signed(api.audit), methods=["GET"]),
-        Route("/v1/audit/head", api.signed(api.audit_head), methods=["GET"]),
-        Route("/v1/audit/proof", api.signed(api.audit_proof), methods=["GET"]),
-        Route("/v1/audit/consistency", api.signed(api.audit_consistency), methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        route("/v1/jobs", api.begin, "POST"),
+        route("/v1/jobs", api.list_jobs, "GET"),
+        route("/v1/jobs/{job}", api.status, "GET"),
+        route("/v1/jobs/{job}/documents", api.documents, "POST"),
+        route("/v1/jobs/{job}/submit", api.submit, "POST"),
+        route("/v1/jobs/{job}/cancel", api.cancel, "POST"),
+        route("/v1/jobs/{job}/results", api.results, "GET"),
+        route("/v1/clients", api.clients, "GET"),
+        route("/v1/clients", api.add_client, "POST"),
+        route("/v1/clients/{fingerprint}/revoke", api.revoke, "POST"),
+        route("/v1/audit", api.audit, "GET"),
+        route("/v1/audit/head", api.audit_head, "GET"),
+        route("/v1/audit/proof", api.audit_proof, "GET"),
+        route("/v1/audit/consistency", api.audit_consistency, "GET"),
+        route("/v1/purge", api.purge, "POST"),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: _unrouted})
 
@@ -94,26 +134,34 @@ class _Routes:
     def __init__(self, service: Service) -> None:
         self.service = service
 
-    def signed(self, operation: Operation) -> Callable[[Request], Awaitable[Response]]:
-        """`operation` behind the size bound and the signature check, its refusals as JSON errors."""
+    def signed(self, path: str, operation: Operation) -> Callable[[Request], Awaitable[Response]]:
+        """`operation` behind the size bound and the signature check, its refusals as JSON errors; counted
+        under its route template `path` (never the request's own path, which holds ids)."""
 
         async def endpoint(request: Request) -> Response:
-            try:
-                body = await self._body(request)
-                target = signing.target_of(
-                    request.url.path, request.scope.get("query_string", b"").decode("latin-1")
-                )
-                caller = await run_in_threadpool(
-                    self.service.auth.authenticate, request.method, target, request.headers, body
-                )
-                answer = await operation(request, caller, body)
-            except ApiError as exc:
-                return error(exc)
-            except Exception as exc:
-                return _unexpected(request, exc)
-            return JSONResponse(answer.model_dump(mode="json"))
+            start = time.perf_counter()
+            response = await self._answer(request, operation)
+            seconds = time.perf_counter() - start
+            self.service.metrics.observe(path, request.method, response.status_code, seconds)
+            return response
 
         return endpoint
+
+    async def _answer(self, request: Request, operation: Operation) -> Response:
+        try:
+            body = await self._body(request)
+            target = signing.target_of(
+                request.url.path, request.scope.get("query_string", b"").decode("latin-1")
+            )
+            caller = await run_in_threadpool(
+                self.service.auth.authenticate, request.method, target, request.headers, body
+            )
+            answer = await operation(request, caller, body)
+        except ApiError as exc:
+            return error(exc)
+        except Exception as exc:
+            return _unexpected(request, exc)
+        return JSONResponse(answer.model_dump(mode="json"))
 
     async def _body(self, request: Request) -> bytes:
         limit = self.service.max_request_bytes
@@ -131,6 +179,11 @@ class _Routes:
         return JSONResponse(
             m.Health(max_request_bytes=self.service.max_request_bytes).model_dump(mode="json")
         )
+
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus' text format, unsigned like /v1/health: counts and states only, no ids, no content."""
+        data = await run_in_threadpool(generate_latest, self.service.metrics.registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
 
     async def begin(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
         return await run_in_threadpool(self.service.jobs.begin, caller, parse(m.BeginUpload, body))
@@ -198,6 +251,9 @@ class _Routes:
     async def audit_consistency(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
         old_size = _int(request, "from", 0, 1, 2**62)
         return await run_in_threadpool(self.service.audit.consistency, caller, old_size)
+
+    async def purge(self, request: Request, caller: Caller, body: bytes) -> BaseModel:
+        return await run_in_threadpool(self.service.admin.purge, caller, parse(m.PurgeRequest, body))
 
 
 def parse(model: type[M], body: bytes) -> M:

@@ -15,7 +15,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from jobs import KINDS
-from pipeline import audit, envelope, store, upload
+from pipeline import audit, envelope, store, upload, workers
 from pipeline.api.auth import Caller
 from pipeline.api.errors import ApiError, conflict, malformed, not_found
 from pipeline.db import Database
@@ -38,7 +38,9 @@ def job_info(session: Session, job: Job) -> m.JobInfo:
         total=job.total,
         counts=store.document_counts(session, job.id),
         created_at=job.created_at,
+        started_at=job.started_at,
         finished_at=job.finished_at,
+        purged_at=job.purged_at,
         error=job.error,
         name=job.name,
         sealed_name=job.sealed_name,
@@ -223,7 +225,9 @@ class Jobs:
 
     def status(self, caller: Caller, ref: str) -> m.JobInfo:
         with self.db.transaction() as s:
-            return job_info(s, self._own(s, caller, ref))
+            info = job_info(s, self._own(s, caller, ref))
+            info.workers = workers.alive(s, self.settings.worker.heartbeat_timeout)
+            return info
 
     def cancel(self, caller: Caller, ref: str) -> m.Cancelled:
         with self.db.transaction() as s:
@@ -249,38 +253,53 @@ class Jobs:
                     f"job {job.id} is still uploading: its submit did not finish; submit it again with "
                     f"--job-id {job.id}"
                 )
+            if job.purged_at is not None:
+                raise ApiError(
+                    410, "purged", f"job {job.id} was purged: its documents and results were deleted"
+                )
             if job.status in ACTIVE_JOB and not partial:
                 raise conflict(
                     f"job {job.id} is still {job.status} ({info.done + info.failed}/{info.total} documents "
                     "finished); wait for it, or pass --partial"
                 )
+            # The columns a page needs, never the documents' own ciphertext, a row at a time.
             query = (
-                select(Document, Result.sealed, Result.signature)
+                select(
+                    Document.index,
+                    Document.id,
+                    Document.status,
+                    Document.error,
+                    Document.sealed_name,
+                    Result.sealed,
+                    Result.signature,
+                )
                 .outerjoin(Result, Result.document_id == Document.id)
                 .where(Document.job_id == job.id, Document.index > (-1 if after is None else after))
                 .order_by(Document.index)
                 .limit(limit + 1)
             )
             rows, size = [], 0
-            for doc, sealed, signature in s.execute(query):
+            for index, doc_id, status, error, sealed_name, sealed, signature in s.execute(query):
                 if len(rows) == limit or (rows and size + len(sealed or b"") > MAX_PAGE_BYTES):
                     break
                 size += len(sealed or b"")
                 rows.append(
                     m.ResultRow(
-                        index=doc.index,
-                        document_id=doc.id,
-                        status=doc.status,
-                        error=doc.error,
-                        sealed_name=doc.sealed_name,
+                        index=index,
+                        document_id=doc_id,
+                        status=status,
+                        error=error,
+                        sealed_name=sealed_name,
                         sealed=sealed,
                         signature=signature,
                     )
                 )
             more = bool(rows) and s.scalar(
-                select(func.count())
-                .select_from(Document)
-                .where(Document.job_id == job.id, Document.index > rows[-1].index)
+                select(
+                    select(Document.id)
+                    .where(Document.job_id == job.id, Document.index > rows[-1].index)
+                    .exists()
+                )
             )
             if after is None:
                 results = s.scalar(select(func.count()).select_from(Result).where(Result.job_id == job.id))

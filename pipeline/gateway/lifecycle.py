@@ -19,8 +19,8 @@ from collections.abc import Callable
 from jobs.openai_batch import BadLine, BatchFileError, read_batch_file
 from pipeline import client
 from pipeline.errors import describe
-from pipeline.gateway.models import BatchError, FilePurpose, OutputLine, RequestCounts
-from pipeline.gateway.outputs import BATCH_CANCELLED, BATCH_EXPIRED, split_records
+from pipeline.gateway.models import BatchError, OutputLine, RequestCounts
+from pipeline.gateway.outputs import BATCH_CANCELLED, BATCH_EXPIRED, route_records
 from pipeline.gateway.state import JobView, Observed, observe
 from pipeline.gateway.store import BatchRecord, GatewayStore
 
@@ -163,32 +163,38 @@ class Lifecycle:
         record = self.store.batch(batch_id)
         if record is None or record.phase != "submitted":
             return
-        _, records = client.fetch_results(self.session, record.job_id)
-        split = split_records(records, BATCH_EXPIRED if final == "expired" else BATCH_CANCELLED)
-        output = self._add_lines(batch_id, "output", split.output)
-        errors = self._add_lines(batch_id, "error", split.errors)
-        counts = RequestCounts(total=len(records), completed=len(split.output), failed=len(split.errors))
+        _, records = client.iter_results(self.session, record.job_id)  # a page at a time
+        unrun = BATCH_EXPIRED if final == "expired" else BATCH_CANCELLED
+        output, errors, now = _file_id(), _file_id(), self.now()
+        with (
+            self.store.new_file(output, "batch_output", f"{batch_id}_output.jsonl", now) as out,
+            self.store.new_file(errors, "batch_output", f"{batch_id}_error.jsonl", now) as err,
+        ):
+            usage = route_records(records, unrun, _line_to(out), _line_to(err))
+            done, failed = out.lines, err.lines
+            for sink in (out, err):
+                if sink.lines:
+                    sink.add(b"")  # a newline ends every line
+        output = self._kept(output, done)
+        errors = self._kept(errors, failed)
+        counts = RequestCounts(total=done + failed, completed=done, failed=failed)
         now = self.now()
 
         def end(r: BatchRecord) -> BatchRecord:
             ended = _ended(r, final, now, counts)
             return ended.model_copy(
-                update={"output_file_id": output, "error_file_id": errors, "usage": split.usage}
+                update={"output_file_id": output, "error_file_id": errors, "usage": usage}
             )
 
         self.store.update_batch(batch_id, end)
         log.info("batch %s: %s (%d completed, %d failed)", batch_id, final, counts.completed, counts.failed)
 
-    def _add_lines(self, batch_id: str, which: str, lines: list[OutputLine]) -> str | None:
-        if not lines:
-            return None
-        file_id = _file_id()
-        data = [line.model_dump_json().encode() for line in lines] + [b""]  # a newline ends every line
-        purpose: FilePurpose = "batch_output"
-        self.store.add_file(
-            file_id, purpose, f"{batch_id}_{which}.jsonl", data, sum(map(len, data)) + len(lines), self.now()
-        )
-        return file_id
+    def _kept(self, file_id: str, lines: int) -> str | None:
+        """The file's id, or None (and the file deleted) when it got no line: OpenAI gives no empty file."""
+        if lines:
+            return file_id
+        self.store.delete_file(file_id)
+        return None
 
     def _failure(self, record: BatchRecord) -> list[BatchError]:
         job = self._job(record)
@@ -208,6 +214,10 @@ class Lifecycle:
                 update={"errors": errors}
             ),
         )
+
+
+def _line_to(sink) -> Callable[[OutputLine], None]:
+    return lambda line: sink.add(line.model_dump_json().encode())
 
 
 def _file_id() -> str:

@@ -1,6 +1,6 @@
-"""Opened result records (`pipeline.client.fetch_results`) -> the lines of a batch's output and error files,
-in OpenAI's format: `{"id": "batch_req_...", "custom_id", "response": {"status_code", "request_id",
-"body"}, "error"}`.
+"""Opened result records (`pipeline.client.iter_results`, one at a time) -> the lines of a batch's output
+and error files, in OpenAI's format: `{"id": "batch_req_...", "custom_id", "response": {"status_code",
+"request_id", "body"}, "error"}`.
 
 - A document done: `response` 200 with the completion as `body`, in the output file.
 - A document failed: in the error file, as the HTTP answer OpenAI gives such a request: 400 with an
@@ -15,7 +15,7 @@ in OpenAI's format: `{"id": "batch_req_...", "custom_id", "response": {"status_c
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,15 +43,28 @@ class Split:
 def split_records(records: Iterable[dict[str, Any]], unrun_code: str) -> Split:
     """Each record as a line of the output or the error file; `unrun_code` names documents never run."""
     split = Split()
+    split.usage = route_records(records, unrun_code, split.output.append, split.errors.append)
+    return split
+
+
+def route_records(
+    records: Iterable[dict[str, Any]],
+    unrun_code: str,
+    output: Callable[[OutputLine], None],
+    error: Callable[[OutputLine], None],
+) -> BatchUsage:
+    """Hand each record, as it comes, to `output` (done) or `error` (the rest) as its line; the tokens the
+    done requests used. Nothing is held: a job's results stream from the service into the files."""
+    usage = BatchUsage()
     for record in records:
         line = output_line(record, unrun_code)
         if record["status"] == "done":
-            split.output.append(line)
-            _add_usage(split.usage, record.get("usage"))
+            output(line)
+            _add_usage(usage, record.get("usage"))
         else:
-            split.errors.append(line)
-    split.usage.total_tokens = split.usage.input_tokens + split.usage.output_tokens
-    return split
+            error(line)
+    usage.total_tokens = usage.input_tokens + usage.output_tokens
+    return usage
 
 
 def output_line(record: dict[str, Any], unrun_code: str) -> OutputLine:

@@ -19,6 +19,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -115,22 +116,31 @@ class GatewayStore:
         created_at: int,
     ) -> FileRecord:
         """Seal and store a file given as its lines (split on b"\\n", so joining them gives it back)."""
-        count = 0
+        with self.new_file(file_id, purpose, filename, created_at, size) as sink:
+            for line in lines:
+                sink.add(line)
+        return sink.record
+
+    @contextmanager
+    def new_file(
+        self, file_id: str, purpose: FilePurpose, filename: str, created_at: int, size: int | None = None
+    ) -> Iterator[FileSink]:
+        """A file written a line at a time, each line sealed as it comes (so a file larger than memory is
+        stored whole); its record is stored when the block ends. `size`: the file's bytes, else the lines'
+        bytes and the newlines between them."""
         with _writer(self.root / "files" / f"{file_id}.lines") as out:
-            for count, line in enumerate(lines, start=1):
-                sealed = self.seal("line", file_id, count - 1, line)
-                out.write(_LENGTH.pack(len(sealed)) + sealed)
+            sink = FileSink(self, file_id, out)
+            yield sink
         sealed_name = self.seal("filename", file_id, 0, filename.encode("utf-8", "surrogateescape"))
-        record = FileRecord(
+        sink.record = FileRecord(
             id=file_id,
             purpose=purpose,
-            bytes=size,
+            bytes=size if size is not None else sink.bytes + max(0, sink.lines - 1),
             created_at=created_at,
-            lines=count,
+            lines=sink.lines,
             sealed_filename=sealed_name,
         )
-        _write(self.root / "files" / f"{file_id}.json", record.model_dump_json().encode())
-        return record
+        _write(self.root / "files" / f"{file_id}.json", sink.record.model_dump_json().encode())
 
     def file(self, file_id: str) -> FileRecord | None:
         return _read(self._path("files", file_id, ".json"), FileRecord)
@@ -185,6 +195,24 @@ class GatewayStore:
         if not object_id or not all(c.isalnum() or c in "-_" for c in object_id):
             return None
         return self.root / folder / f"{object_id}{suffix}"
+
+
+class FileSink:
+    """The lines of a file being stored (`GatewayStore.new_file`); `record` once it is stored."""
+
+    def __init__(self, store: GatewayStore, file_id: str, out) -> None:
+        self.store = store
+        self.file_id = file_id
+        self.out = out
+        self.lines = 0
+        self.bytes = 0
+        self.record: FileRecord | None = None
+
+    def add(self, line: bytes) -> None:
+        sealed = self.store.seal("line", self.file_id, self.lines, line)
+        self.out.write(_LENGTH.pack(len(sealed)) + sealed)
+        self.lines += 1
+        self.bytes += len(line)
 
 
 def _info(purpose: str, object_id: str, index: int) -> bytes:

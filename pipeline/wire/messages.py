@@ -12,7 +12,7 @@ import binascii
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, model_validator
 
 
 def _decode(value: object) -> bytes:
@@ -76,10 +76,13 @@ class JobInfo(Message):
     total: int
     counts: dict[str, int] = Field(default_factory=dict)
     created_at: datetime | None = None
+    started_at: datetime | None = None
     finished_at: datetime | None = None
+    purged_at: datetime | None = None  # its documents and results were deleted (`enclave purge`)
     error: str | None = None
     name: str = ""  # only jobs from before names were sealed
     sealed_name: Sealed | None = None
+    workers: int | None = None  # live workers, in a job's own status: 0 says nothing can run it now
 
     @property
     def done(self) -> int:
@@ -190,6 +193,33 @@ class AddClient(Message):
     x25519: Sealed
     ed25519: Sealed
     role: Literal["client", "admin"] = "client"
+
+
+class PurgeRequest(Message):
+    """Purge one job (`job`: its id, or a unique prefix) or every job that ended more than
+    `older_than_seconds` ago (`POST /v1/purge`, administrators)."""
+
+    job: str | None = Field(None, min_length=1, max_length=MAX_ID)
+    older_than_seconds: int | None = Field(None, ge=0, le=100 * 366 * 86_400)
+
+    @model_validator(mode="after")
+    def _one(self) -> PurgeRequest:
+        if (self.job is None) == (self.older_than_seconds is None):
+            raise ValueError("give job or older_than_seconds, not both")
+        return self
+
+
+class PurgedJob(Message):
+    job_id: str
+    documents: int
+    results: int
+
+
+class PurgeReport(Message):
+    """The jobs purged (none when nothing matched) and the database kind (what reclaims the space)."""
+
+    jobs: list[PurgedJob]
+    database: str
 
 
 class AuditRow(Message):

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import redis
+from sqlalchemy import text
 
 from engine.demo_model import write_demo_model
 from pipeline.db import Database
@@ -70,17 +71,30 @@ class Enclave:
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
 
-    def start_worker(self) -> subprocess.Popen:
+    def start_worker(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.tmp / f"worker-{len(self.worker_logs)}.log", "w")  # noqa: SIM115 (closed by the OS at kill)
         self.worker_logs.append(str(log.name))
         return subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", "worker", "--concurrency", "2"],
-            env=self.env,
+            [sys.executable, "-m", "pipeline.cli", "worker", "--concurrency", "2", *args],
+            env=self.env if env is None else env,
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=self.tmp,
             start_new_session=True,
         )
+
+    def worker_id(self, pid: int) -> str | None:
+        """The lease owner of the worker process `pid` once it registered (`workers.id`), else None."""
+        db = self.database()
+        try:
+            with db.engine.connect() as c:
+                return c.execute(
+                    text("SELECT id FROM workers WHERE pid = :pid ORDER BY started_at DESC"), {"pid": pid}
+                ).scalar()
+        except Exception:  # not initialised yet, or busy: not registered as far as we can tell
+            return None
+        finally:
+            db.dispose()
 
     @staticmethod
     def kill(proc: subprocess.Popen) -> None:
@@ -110,6 +124,7 @@ def _env(tmp: Path, model: Path, extra: dict[str, str]) -> dict[str, str]:
         ENCLAVE_DTYPE="float32",
         ENCLAVE_LEASE_SECONDS="3",
         ENCLAVE_SHARD_SIZE="2",
+        ENCLAVE_METRICS_PORT="0",  # any free port: workers of parallel tests must not share one
         TMPDIR=str(tmp / "tmp"),  # every temporary file of these processes lands here, for the privacy scan
         PYTHONUNBUFFERED="1",
         PYTHONPATH=str(ROOT),

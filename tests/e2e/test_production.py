@@ -163,6 +163,8 @@ class Host:
         env |= {"ENCLAVE_DATABASE_URL": self.database_url, "ENCLAVE_BROKER_URL": self.broker_url}
         env |= {"ENCLAVE_DEVICE": "cpu", "ENCLAVE_DTYPE": "float32", "PYTHONPATH": str(ROOT)}
         env |= {"TMPDIR": str(self.root / "tmp"), "ENCLAVE_LEASE_SECONDS": "5"}
+        if name == "worker":  # its metrics port (9464) is the host's to give too
+            env["ENCLAVE_METRICS_PORT"] = "0"
         if name == "api":  # port 8443 is the host's to give; here any free one, announced
             argv[argv.index("--port") + 1] = "0"
             argv[argv.index("--host") + 1] = "127.0.0.1"

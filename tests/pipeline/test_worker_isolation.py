@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from engine import EngineError
+from engine import EngineError, RequestError
 from jobs.base import DocumentError, DocumentResult, EngineRequest, JobKind
 from pipeline import audit, envelope, keys, migrate, store
 from pipeline.db import Database
@@ -55,12 +55,17 @@ class Probe(JobKind):
 class StandInEngine:
     def submit(self, prompt, sampling, **_options):
         if prompt == "engine-refuses":
-            raise EngineError(f"prompt {SECRET} has 9000 tokens; the limit is 8192")
+            raise RequestError(f"prompt {SECRET} has 9000 tokens; the limit is 8192")
+        if prompt == "engine-closed":  # the engine's fault, not the document's: given back
+            raise EngineError("the engine is closed")
         if prompt == "engine-crash":
             raise MemoryError
         future = Future()
         future.set_result(f"out:{prompt}")
         return future
+
+    def abort(self, futures):
+        return 0
 
 
 class StandInModel:
@@ -84,6 +89,7 @@ BEHAVIOURS = [
     "bad",
     "engine-refuses",
     "engine-crash",
+    "engine-closed",
     "result-crash",
     "unserialisable",
     "bad-status",
@@ -143,9 +149,10 @@ def test_each_document_fails_or_is_given_back_alone(runtime):
         stale = leased[BEHAVIOURS.index("stale-result")]
         s.add(Result(document_id=stale.id, job_id=job, sealed=b"stale"))
         hashes = {d.id: d.sha256 for d in leased}
-    outcomes = runtime.shards._run(job, Probe(), work, hashes, priority=0)
-    recorded = runtime.shards._record(job, outcomes, client.public.x25519)
+    run = runtime.inflight.begin(job, 0, [w.id for w in work])
+    recorded = runtime.shards._run(run, job, Probe(), work, hashes, 0, client.public.x25519)
     assert sorted(recorded) == ["done", "done", "failed", "failed", "failed"]
+    assert run.doc_ids == set()  # recorded or given back: no lease left to renew
 
     with runtime.db.transaction() as s:
         docs = {BEHAVIOURS[d.index]: d for d in s.scalars(select(Document).where(Document.job_id == job))}
@@ -155,12 +162,14 @@ def test_each_document_fails_or_is_given_back_alone(runtime):
     given_back = {
         "requests-crash",
         "engine-crash",
+        "engine-closed",
         "result-crash",
         "unserialisable",
         "bad-status",
         "stale-result",
     }
     assert {name for name, d in docs.items() if d.status == "pending"} == given_back
+    assert (runtime.health.done, runtime.health.errors) == (5, len(given_back))
     assert all(docs[n].attempts == 1 and docs[n].error.startswith("internal error (") for n in given_back)
     assert {name for name, d in docs.items() if d.status == "done"} == {"fine-1", "fine-2"}
     assert {name for name, d in docs.items() if d.status == "failed"} == {
@@ -178,7 +187,7 @@ def test_each_document_fails_or_is_given_back_alone(runtime):
     assert opened["detail"] == SECRET * 100 and opened["error"] == "body.x must be a number"
     refused = docs["engine-refuses"]
     opened = json.loads(envelope.open_result(results[refused.id].sealed, client, job, refused.id))
-    assert refused.error == opened["error"] == f"{ENGINE_REFUSED}: EngineError"
+    assert refused.error == opened["error"] == f"{ENGINE_REFUSED}: RequestError"
     assert opened["detail"] == f"prompt {SECRET} has 9000 tokens; the limit is 8192"  # sealed only
     clear = [d.error or "" for d in docs.values()] + [e.details for e in events]
     assert not any(SECRET in text for text in clear)
