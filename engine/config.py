@@ -293,7 +293,11 @@ def _rope(values: dict[str, Any], head_dim: int) -> RopeConfig:
     # transformers 5 writes `rope_parameters`; older files use top-level rope_theta / partial_rotary_factor
     # and an optional `rope_scaling` dict.
     params = dict(values.get("rope_parameters") or {})
-    scaling = values.get("rope_scaling") or {}
+    scaling = dict(values.get("rope_scaling") or {})
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        # Scaling added to a release's `rope_parameters` in the older spelling (YaRN for a longer context)
+        # wins, as in transformers; theta and the rotary share stay the release's (transformers drops them).
+        params = {k: v for k, v in params.items() if k not in ("rope_type", "type")} | scaling
     for key, value in scaling.items():
         params.setdefault(key, value)
     theta = float(params.get("rope_theta", values.get("rope_theta", 10000.0)))
