@@ -18,7 +18,7 @@ from engine.kernels import dispatch
 from engine.model.model import CausalLM
 from engine.options import EngineOptions
 from engine.outputs import EngineStats
-from engine.planner import CachePlan
+from engine.planner import CachePlan, step_tokens
 from engine.runner import Drafter, Launched, ModelRunner
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
@@ -67,6 +67,7 @@ class EngineCore:
             self.blocks,
             max_num_seqs=serving.max_num_seqs,
             max_num_batched_tokens=serving.max_num_batched_tokens,
+            long_prefill_chunk=step_tokens(options, device),
             num_speculative_tokens=k,
             max_prefixes=options.cache.max_prefixes,
         )

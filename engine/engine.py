@@ -25,7 +25,7 @@ from engine.model.model import CausalLM
 from engine.options import MAX_SPECULATIVE_TOKENS as MAX_SPECULATIVE_TOKENS  # re-exported: its old home
 from engine.options import EngineOptions
 from engine.outputs import EngineStats, RequestOutput
-from engine.planner import plan_for
+from engine.planner import plan_for, step_tokens
 from engine.reasoning import ThinkTokens
 from engine.runner import Drafter
 from engine.sampling import SamplingParams
@@ -99,6 +99,7 @@ class Engine:
                 "dtype": str(dtype).removeprefix("torch."),
                 "max_num_seqs": self.max_num_seqs,
                 "max_model_len": self.max_model_len,
+                "long_prefill_chunk": step_tokens(options, device),
             }
         )
         self.core = build_core(model, self.plan, self.options, drafter)

@@ -96,6 +96,16 @@ class ServingOptions(_Concern):
         low=1,
         high=1 << 20,
     )
+    long_prefill_chunk: int | None = _option(
+        "whole",
+        None,
+        "most tokens a step computes when it holds one prompt being prefilled and no other request runs or "
+        "waits: fewer, larger steps spread each step's weight reads and launches over more tokens (the "
+        "cache budget leaves room for its activations); unset: 32,768 on cuda, max_num_batched_tokens "
+        "elsewhere; at most max_num_batched_tokens: off",
+        low=1,
+        high=1 << 20,
+    )
     max_model_len: int | None = _option(
         "whole",
         None,

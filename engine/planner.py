@@ -1,10 +1,10 @@
 """Size the state-slot pool and the KV block pool from a memory budget, once, before serving.
 
-On CUDA the budget is the free device memory after the weights are loaded, times
-`gpu_memory_utilization`, minus an estimate of the activations of one step of `max_num_batched_tokens`
-tokens. Elsewhere it is `kv_cache_memory` bytes (default 2 GiB). Slots come first (every running
-sequence needs one, plus one per cached prefix and `k` verify scratch slots per sequence); the rest
-becomes KV blocks, capped at what `max_num_seqs` sequences of the full context could use.
+On CUDA the budget is the free device memory after the weights are loaded, times `gpu_memory_utilization`,
+minus an estimate of the activations of the largest step (`step_tokens`: `max_num_batched_tokens`, or a
+lone prefill's `long_prefill_chunk`). Elsewhere it is `kv_cache_memory` bytes (default 2 GiB). Slots come
+first (every running sequence needs one, plus one per cached prefix and `k` verify scratch slots per
+sequence); the rest becomes KV blocks, capped at what `max_num_seqs` sequences of the full context could use.
 
 `max_num_seqs` left to the engine is sized from the same budget on CUDA (`affordable_seqs`) and fixed at
 `CPU_MAX_NUM_SEQS` elsewhere, so runs on the CPU stay deterministic.
@@ -28,6 +28,10 @@ DEFAULT_CPU_CACHE_BYTES = 2 << 30
 MAX_AUTO_SEQS = 1024  # the most sequences an automatically sized engine runs at once
 CPU_MAX_NUM_SEQS = 64  # the automatic size off CUDA
 STATE_SHARE = 0.5  # of the budget, what automatically sized state slots may take; KV blocks get the rest
+# A lone prefill's chunk on CUDA when long_prefill_chunk is unset. On an H200 with Qwen3.5/3.6-35B-A3B an
+# 8,192-token step reads all the weights (~67 GB in bf16, ~14 ms) and launches 40 layers of kernels; 32,768
+# tokens spread that over 4x the tokens for ~4.3 GB of activations (`activation_bytes`: ~130 KiB a token).
+LONG_PREFILL_CHUNK = 32768
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,16 @@ def activation_bytes(config: ModelConfig, dtype: torch.dtype, tokens: int, logit
     )
     per_token = (8 * c.hidden_size + 4 * widest) * dtype.itemsize + c.num_experts * 8
     return tokens * per_token + 3 * logit_rows * c.vocab_size * 4
+
+
+def step_tokens(options: EngineOptions, device: torch.device) -> int:
+    """The most tokens one step computes: `max_num_batched_tokens`, or a lone prefill's chunk when larger
+    (`long_prefill_chunk`; unset: LONG_PREFILL_CHUNK on CUDA, off elsewhere so CPU runs keep their steps)."""
+    serving = options.serving
+    chunk = serving.long_prefill_chunk
+    if chunk is None:
+        chunk = LONG_PREFILL_CHUNK if device.type == "cuda" else 0
+    return max(serving.max_num_batched_tokens, chunk)
 
 
 def memory_budget(
@@ -102,7 +116,7 @@ def plan_for(
         device,
         config,
         dtype,
-        max_num_batched_tokens=serving.max_num_batched_tokens,
+        max_num_batched_tokens=step_tokens(options, device),
         logit_rows=(max_num_seqs or MAX_AUTO_SEQS) * (1 + k),
         gpu_memory_utilization=cache.gpu_memory_utilization,
         kv_cache_memory=cache.kv_cache_memory,

@@ -1,6 +1,8 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
-Each step stays within `max_num_batched_tokens` tokens and `max_num_seqs` sequences. Running sequences
+Each step stays within `max_num_batched_tokens` tokens and `max_num_seqs` sequences, except that a prompt
+being prefilled alone (no other request running or waiting) takes chunks of up to `long_prefill_chunk`
+tokens: fewer, larger steps, and nobody's latency to lose. Running sequences
 go first, most urgent first (lower priority value, then earlier arrival): a decode adds its last token
 plus its MTP drafts, a prompt still being prefilled adds its next chunk. Then waiting requests are
 admitted while a slot, the token budget and KV blocks allow; admission waits rather than over-commit.
@@ -93,11 +95,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         num_speculative_tokens: int = 0,
         max_prefixes: int = 4,
+        long_prefill_chunk: int = 0,
     ) -> None:
         self.slots = slots
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_chunk = long_prefill_chunk  # at most max_num_batched_tokens: off
         self.k = num_speculative_tokens
         self.prefixes = PrefixCache(max_prefixes, slots, blocks)
         self.waiting: list[Sequence] = []
@@ -178,7 +182,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self._budget()
         self.running.sort(key=_order)
         done: set[int] = set()  # ids of sequences scheduled this step (never preempted by it)
         for seq in list(self.running):
@@ -201,6 +205,16 @@ class Scheduler:
         if not out.preempted:
             self._admit(out, budget)
         return out
+
+    def _budget(self) -> int:
+        """The step's tokens: `long_prefill_chunk` when the one request held is a prompt with more than
+        `max_num_batched_tokens` tokens left to prefill, else `max_num_batched_tokens`. Never while another
+        request decodes or waits: a longer step would delay its tokens."""
+        budget = self.max_num_batched_tokens
+        if self.long_prefill_chunk <= budget or len(self.running) + len(self.waiting) != 1:
+            return budget
+        seq = (self.running or self.waiting)[0]
+        return self.long_prefill_chunk if seq.target - seq.num_computed > budget else budget
 
     def _lookahead(self, seq: Sequence) -> int:
         """Positions past the step's tokens the MTP head may write while drafting."""

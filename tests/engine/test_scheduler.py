@@ -49,6 +49,7 @@ def make_scheduler(
     max_num_batched_tokens=64,
     k=0,
     max_prefixes=2,
+    long_prefill_chunk=0,
 ):
     return Scheduler(
         SlotAllocator(num_slots),
@@ -57,6 +58,7 @@ def make_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
         num_speculative_tokens=k,
         max_prefixes=max_prefixes,
+        long_prefill_chunk=long_prefill_chunk,
     )
 
 
@@ -86,7 +88,9 @@ def check_pools(sched: Scheduler) -> None:
 
 
 def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
-    assert out.num_tokens <= sched.max_num_batched_tokens
+    if out.num_tokens > sched.max_num_batched_tokens:  # only a lone prompt's prefill chunk
+        assert len(out.scheduled) == 1 and sched.running == [out.scheduled[0].seq] and not sched.waiting
+        assert out.num_tokens <= sched.long_prefill_chunk and out.scheduled[0].num_new > 1
     assert len(out.scheduled) <= sched.max_num_seqs
     assert len(sched.running) <= sched.max_num_seqs
     seen = set()
@@ -194,6 +198,57 @@ def test_a_long_prompt_is_prefilled_in_chunks():
     assert got == [(0, 8, False), (8, 8, False), (16, 5, True), (21, 1, True)]
     assert seq.metrics.cached_prefix_tokens == 0
     assert finished == [seq] and seq.output_ids == [NEXT, NEXT]
+
+
+def test_a_lone_long_prompt_takes_larger_chunks():
+    sched = make_scheduler(max_num_batched_tokens=8, long_prefill_chunk=32, num_blocks=64)
+    seq = make_seq(0, 75, max_tokens=3)
+    sched.add(seq)
+    outs, finished = run(sched)
+    got = [(i.context, i.num_new) for o in outs for i in o.scheduled]
+    assert got == [(0, 32), (32, 32), (64, 11), (75, 1), (76, 1)]
+    assert finished == [seq] and seq.output_ids == [NEXT] * 3
+
+
+def test_larger_chunks_are_off_at_or_below_the_step_budget():
+    for chunk in (0, 8):
+        sched = make_scheduler(max_num_batched_tokens=8, long_prefill_chunk=chunk)
+        sched.add(make_seq(0, 21, max_tokens=1))
+        outs, _ = run(sched)
+        assert [i.num_new for o in outs for i in o.scheduled] == [8, 8, 5]
+
+
+def test_no_larger_chunk_while_another_request_waits_or_decodes():
+    sched = make_scheduler(max_num_batched_tokens=8, long_prefill_chunk=32, max_num_seqs=1)
+    a, b = make_seq(0, 40, max_tokens=2), make_seq(1, 40, max_tokens=2)
+    sched.add(a)
+    sched.add(b)  # waits for a's slot (max_num_seqs 1): a keeps to the step budget
+    out, _ = step(sched)
+    assert [(i.seq, i.num_new) for i in out.scheduled] == [(a, 8)]
+
+    sched = make_scheduler(max_num_batched_tokens=8, long_prefill_chunk=32)
+    short, long = make_seq(0, 3, max_tokens=6), make_seq(1, 40, max_tokens=2)
+    sched.add(short)
+    step(sched)  # short's prompt: it decodes from now on
+    sched.add(long)
+    for _ in range(4):
+        out, _ = step(sched)
+        assert out.num_tokens <= 8 and short in [i.seq for i in out.scheduled]
+
+
+def test_a_request_arriving_mid_prefill_ends_the_larger_chunks():
+    sched = make_scheduler(max_num_batched_tokens=8, long_prefill_chunk=32)
+    a = make_seq(0, 100, max_tokens=2)
+    sched.add(a)
+    out, _ = step(sched)
+    assert [i.num_new for i in out.scheduled] == [32]
+    b = make_seq(1, 4, max_tokens=2)
+    sched.add(b)
+    out, _ = step(sched)
+    assert [(i.seq, i.num_new) for i in out.scheduled] == [(a, 8)]  # b waits behind a's chunk, as before
+    outs, finished = run(sched)
+    assert sorted(s.index for s in finished) == [0, 1]
+    assert max(o.num_tokens for o in outs) <= 8
 
 
 def test_priority_orders_admission_then_arrival():
