@@ -178,11 +178,15 @@ def affordable_seqs(
 ) -> int:
     """`max_num_seqs` sized from the budget: as many sequences as fit with their state and verify scratch
     slots in STATE_SHARE of it, or more when the rest still holds each of them at `max_model_len` positions
-    (short contexts); at most `cap`, at least 1 (`plan_cache` then says when even that does not fit)."""
+    (short contexts); fewer when the KV blocks left would not hold one sequence of `max_model_len` positions
+    (a 1M-token context's 20 GiB) and fewer slots let them; at most `cap`, at least 1 (`plan_cache` then
+    says when even that does not fit)."""
     per_slot = slot_bytes(config, dtype) * (1 + num_speculative_tokens)
     per_block = block_bytes(config, dtype, block_size, num_mtp_layers)
     per_seq_kv = -(-(max_model_len + 2 * num_speculative_tokens) // block_size) * per_block
     left = budget_bytes - max_prefixes * slot_bytes(config, dtype)
     by_share = int(STATE_SHARE * left) // per_slot if per_slot else cap
     at_full_length = left // (per_slot + per_seq_kv) if per_slot + per_seq_kv else cap
-    return max(1, min(cap, max(by_share, at_full_length)))
+    one_long = (left - per_seq_kv) // per_slot if per_slot else cap  # seqs leaving one full context's KV
+    wanted = max(by_share, at_full_length)
+    return max(1, min(cap, wanted, one_long) if one_long >= 1 else min(cap, wanted))
