@@ -2,7 +2,7 @@
 
     python -m engine.bench [--preset qwen3.5-35b-a3b | --preset tiny | --model PATH]
         [--workloads a,b,c,d,e,f,g,h,i,j] [--quick] [--max-seconds S] [--device cuda] [--dtype bfloat16]
-        [--kv-cache-gib G] [--json PATH]
+        [--kv-cache-gib G] [--long-prompt 131072,262144,1M] [--json PATH]
     enclave bench ...   (the same arguments)
 
 A preset builds the model with seeded random weights directly on the device (no checkpoint, no tokenizer:
@@ -14,7 +14,8 @@ and the percentage of the roofline that is:
     (b) batch decode at 16, 64 and 256 sequences (decode steps only, after every prefill)
     (c) prefill of 8 x 4096 tokens, also as % of the measured matrix rate
     (d) documents: 512 requests of 2048 prompt + 256 new tokens through Engine.submit
-    (e) long context: a 131,072-token prompt, its prefill and the decode rate at that context
+    (e) long context: a 131,072-token prompt (or each --long-prompt length), its prefill and the decode
+        rate at that context; a preset whose window is shorter gets YaRN as Qwen3.6 documents for 1M tokens
     (f) MTP verify step with k = 1, 2, 3 against a plain decode step at batch 1 (time ratio)
     (g) transformers' Qwen3_5MoeForCausalLM, same geometry and random weights, for (a) and (b, 64)
     (h)-(j) vLLM's published H200 runs (Qwen3.5-35B-A3B-FP8), their shapes through Engine.submit, each
@@ -48,12 +49,12 @@ import torch
 from engine.bench.device import free, measure_device
 from engine.bench.harness import Bench
 from engine.bench.measure import describe, say
-from engine.bench.presets import PRESETS, expert_load, random_model
+from engine.bench.presets import PRESETS, expert_load, random_model, with_window
 from engine.bench.report import environment, geometry, load_text, param_summary, print_table, write_json
 from engine.bench.settings import BLOCK_SIZE, DTYPES, GIB, QUICK, WARMUP_STEPS, Settings, Sizes
 from engine.bench.traffic import ParamCounts, param_counts
 from engine.bench.transformers_ref import transformers_comparison
-from engine.bench.workloads import RUNNERS
+from engine.bench.workloads import RUNNERS, long_positions
 from engine.config import ModelConfig, config_from_dict
 from engine.engine import Engine
 from engine.env import engine_env
@@ -89,6 +90,8 @@ def load(
         engine.close()
         return model.requires_grad_(False), config, dict(config.extra.get("raw") or {})
     raw = PRESETS[args.preset]()
+    if args.long_prompt and "e" in args.workloads:
+        raw = with_window(raw, long_positions(Sizes(), max(args.long_prompt)))
     config = config_from_dict(raw, source=f"preset {args.preset}")
     check_room(param_counts(config), device, dtype)
     model = random_model(config, device, dtype, args.seed)
@@ -119,6 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     sizes = replace(QUICK if args.quick else Sizes(), **({"batches": args.batches} if args.batches else {}))
+    sizes = replace(sizes, long_prompts=args.long_prompt or ())
     kv_cache_bytes = int((args.kv_cache_gib or (40 if device.type == "cuda" else 1)) * GIB)
     settings = Settings(
         max_seconds=args.max_seconds,
@@ -129,6 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # (h)-(j) on CUDA: the engine's own budget, as a server sizes it, unless --kv-cache-gib says.
         serve_kv_cache_bytes=None if device.type == "cuda" and not args.kv_cache_gib else kv_cache_bytes,
         warm_up=args.warm_up,
+        long_prefill_chunk=args.long_prefill_chunk,
     )
     bandwidth, matmul = measure_device(device, dtype, args.quick)
     say(f"building {args.model or args.preset} on {device} as {dtype}")
@@ -171,6 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": str(dtype).removeprefix("torch."),
         "quantization": args.quantization,
         "geometry": geometry(config),
+        "rope": f"{config.rope.rope_type} x{config.rope.factor:g}, window {config.max_model_len:,}",
         "params": param_summary(counts),
         "build_s": built_s,
         "quick": args.quick,
@@ -206,6 +212,25 @@ def _sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+_SUFFIXES = {"": 1, "k": 1000, "m": 1000**2, "ki": 1024, "mi": 1024**2}
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    """Prompt lengths such as 131072,262144,1000000 or 128Ki,256Ki,1M (k, M: 1,000s; Ki, Mi: 1,024s)."""
+    lengths = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        number = item.rstrip("kKmMiI")
+        scale = _SUFFIXES.get(item[len(number) :].lower())
+        if scale is None or not number.isdigit() or int(number) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not a prompt length: e.g. 131072,262144,1000000 or 128Ki,256Ki,1M"
+            )
+        lengths.append(int(number) * scale)
+    if not lengths:
+        raise argparse.ArgumentTypeError("name at least one prompt length, e.g. 131072,262144,1000000")
+    return tuple(lengths)
+
+
 def _doc(option: str) -> str:
     """An engine option's meaning, as `EngineOptions.flat_fields()` documents it."""
     return next(f.doc for f in EngineOptions.flat_fields() if f.name == option).replace("%", "%%")
@@ -237,6 +262,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="of workload (d) ((h), (j): their concurrency; (i): the engine's plan)",
     )
     parser.add_argument("--batches", type=_sizes, help="batch sizes of (b) (default 16,64,256)")
+    parser.add_argument(
+        "--long-prompt",
+        type=_lengths,
+        help="prompt lengths of (e), e.g. 131072,262144,1000000 or 128Ki,256Ki,1M (k, M: thousands, "
+        "millions; Ki, Mi: 1,024, 1,048,576); default 131072",
+    )
+    parser.add_argument("--long-prefill-chunk", type=int, help=_doc("long_prefill_chunk"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--warm-up",
@@ -252,6 +284,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help=_doc("quantization"))
     parser.add_argument("--json", default=str(DEFAULT_JSON), help="write the results here ('' for none)")
     args = parser.parse_args(argv)
+    if args.long_prefill_chunk is not None and args.long_prefill_chunk < 1:
+        parser.error("--long-prefill-chunk must be positive")
     if args.max_seconds <= 0 or args.max_num_batched_tokens < 1 or args.max_num_seqs < 1 or args.repeat < 1:
         parser.error("--max-seconds, --max-num-batched-tokens, --max-num-seqs and --repeat must be positive")
     return args

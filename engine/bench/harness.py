@@ -18,7 +18,7 @@ from engine.config import ModelConfig
 from engine.core import EngineCore
 from engine.model.model import CausalLM
 from engine.options import EngineOptions
-from engine.planner import plan_for
+from engine.planner import plan_for, step_tokens
 from engine.runner import Drafter
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
@@ -47,10 +47,15 @@ class Bench:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "max_num_batched_tokens": self.settings.max_num_batched_tokens,
+            "long_prefill_chunk": self.settings.long_prefill_chunk,
             "block_size": BLOCK_SIZE,
             "max_prefixes": 0,
         }
         return EngineOptions.from_flat(base | flat)
+
+    def step_tokens(self) -> int:
+        """The most tokens one of the run's steps computes (a lone prefill's chunk, if larger)."""
+        return step_tokens(self.options(), self.device)
 
     def core(
         self,
@@ -170,7 +175,7 @@ class Bench:
 
     def warm_up(self, prompt_len: int) -> None:
         """One untimed request (a prefill chunk and a few decode steps): compiles and first-use costs."""
-        length = min(prompt_len, self.settings.max_num_batched_tokens)
+        length = min(prompt_len, self.step_tokens())  # alone: a long prompt's first chunk, compiled
         core = self.core(1, length + 16)
         self.add(core, 1, length, 4, length + 16)
         while core.has_work():

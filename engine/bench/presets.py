@@ -46,6 +46,22 @@ QWEN35_35B_A3B: dict[str, Any] = {
     "tie_word_embeddings": False,
     "attention_bias": False,
 }
+# Qwen3.6-35B-A3B's documented 1M-token window: YaRN, factor 4 over the native 262,144 positions.
+YARN_FACTOR = 4.0
+
+
+def with_window(raw: dict[str, Any], positions: int) -> dict[str, Any]:
+    """`raw` (a text config) with YaRN over its native window when `positions` exceed it, as Qwen3.6's card
+    says to set it for 1M tokens: factor 4 (a larger power of two if even that is short)."""
+    native = raw["max_position_embeddings"]
+    if positions <= native:
+        return raw
+    factor = max(YARN_FACTOR, float(2 ** math.ceil(math.log2(positions / native))))
+    rope = raw.get("rope_parameters") or {}
+    yarn = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": native}
+    return raw | {"rope_parameters": rope | yarn}
+
+
 PRESETS: dict[str, Callable[[], dict[str, Any]]] = {
     "qwen3.5-35b-a3b": lambda: copy.deepcopy(QWEN35_35B_A3B),
     "tiny": lambda: demo_config(1024),  # the demo model's geometry

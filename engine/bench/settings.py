@@ -38,6 +38,9 @@ class Sizes:
     doc_prompt: int = 2048
     doc_new: int = 256
     long_prompt: int = 131072
+    long_prompts: tuple[
+        int, ...
+    ] = ()  # (e)'s prompt lengths when --long-prompt names them (else long_prompt)
     long_steps: int = 16
     verify_prompt: int = 512
     verify_steps: int = 32
@@ -78,3 +81,4 @@ class Settings:
     seed: int
     serve_kv_cache_bytes: int | None = None  # of (h)-(j); None: the engine's own budget from free memory
     warm_up: bool | None = None  # the serving engines' warm_up option; None: the engine's default
+    long_prefill_chunk: int | None = None  # the engine option; None: the engine's default (32,768 on cuda)

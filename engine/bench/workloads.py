@@ -12,7 +12,7 @@ from engine.bench.device import free
 from engine.bench.harness import Bench, decode_point
 from engine.bench.measure import guarded
 from engine.bench.serving import documents, peer
-from engine.bench.settings import WARMUP_STEPS
+from engine.bench.settings import WARMUP_STEPS, Sizes
 from engine.bench.traffic import prefill_bytes, roofline, step_bytes
 from engine.runner import Drafter
 from engine.sequence import Sequence
@@ -96,11 +96,27 @@ def prefill(b: Bench) -> list[dict[str, Any]]:
     return [guarded(f"{n} x {length}", measure)]
 
 
+def long_positions(sizes: Sizes, prompt_len: int) -> int:
+    """Positions (e) needs for a prompt of `prompt_len`: the prompt, its timed and untimed decode steps."""
+    return prompt_len + sizes.long_steps + WARMUP_STEPS + 16
+
+
 def long_context(b: Bench) -> list[dict[str, Any]]:
-    """(e) one very long prompt: chunked prefill, then decode steps at that context."""
+    """(e) each very long prompt (--long-prompt, else one of `long_prompt`): its prefill, in lone chunks
+    (`long_prefill_chunk`), then decode steps at that context, against the roofline with the KV read."""
     s = b.sizes
-    length = min(s.long_prompt, b.config.max_model_len - s.long_steps - WARMUP_STEPS - 16)
-    max_len = length + s.long_steps + WARMUP_STEPS + 16
+    points: list[dict[str, Any]] = []
+    for wanted in s.long_prompts or (s.long_prompt,):
+        length = min(wanted, b.config.max_model_len - long_positions(s, 0))
+        points += _long_context(b, length, wanted)
+        free(b.device)
+    return points
+
+
+def _long_context(b: Bench, length: int, wanted: int) -> list[dict[str, Any]]:
+    s = b.sizes
+    max_len = long_positions(s, length)
+    chunk = b.step_tokens()
     state: dict[str, Any] = {}
 
     def measure_prefill() -> dict[str, Any]:
@@ -112,21 +128,23 @@ def long_context(b: Bench) -> list[dict[str, Any]]:
         state.update(core=core, seqs=seqs, done=done)
         tokens_per_s = core.prompt_tokens / spent if spent else None
         point = {"prompt_len": length, "prefill_s": spent, "steps": steps, "tokens_per_s": tokens_per_s}
-        point["capped"] = not done
-        bytes_ = prefill_bytes(
-            b.counts, b.config, b.dtype, seqs=1, prompt_len=length, chunk=b.settings.max_num_batched_tokens
-        )
-        point["note"] = f"prefill {spent:.1f} s" + ("" if done else " (time cap)")
+        point |= {"chunk": chunk, "capped": not done}
+        bytes_ = prefill_bytes(b.counts, b.config, b.dtype, seqs=1, prompt_len=length, chunk=chunk)
+        point["note"] = f"prefill {spent:.1f} s in {steps} steps" + ("" if done else " (time cap)")
+        if length < wanted:
+            point["note"] += f"; {wanted} asked, the model's window is {b.config.max_model_len}"
         return point | roofline(bytes_, length, tokens_per_s, b.bandwidth)
 
     def measure_decode() -> dict[str, Any]:
         if not state.get("done"):
-            return {"skipped": "the prefill did not finish"}
+            return {"prompt_len": length, "skipped": "the prefill did not finish"}
         run = b.decode(state["core"], state["seqs"], s.long_steps, b.deadline())
+        run["prompt_len"] = length
         if run["decode_steps"]:
+            # The roofline counts the KV cache each step reads (20 KiB a position on Qwen3.5/3.6 in bf16).
             bytes_ = step_bytes(b.counts, b.config, b.dtype, seqs=1, context=run["mean_context"])
             run |= roofline(bytes_, 1, run["tokens_per_s"], b.bandwidth)
-            run["note"] = f"{run['ms_per_step']:.1f} ms/step"
+            run["note"] = f"{run['ms_per_step']:.1f} ms/step at context {run['mean_context']:,.0f}"
         return run
 
     points = [guarded(f"prefill {length}", measure_prefill), guarded(f"decode at {length}", measure_decode)]

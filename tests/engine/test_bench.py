@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from engine import bench
+from engine.bench.cli import parse_args
+from engine.bench.presets import with_window
+from engine.cache import block_bytes
 from engine.config import config_from_dict
+from engine.demo_model import demo_config
 
 FULL = "qwen3.5-35b-a3b"
 
@@ -307,3 +311,57 @@ def test_constrained_workload_runs_plain_and_held_to_the_schema(tmp_path):
         assert p["plain"]["decode_steps"] > 0 and p["constrained"]["decode_steps"] > 0
         assert p["constrained"]["batch"] == p["plain"]["batch"] == p["batch"]  # none finished early
         assert p["overhead"] == p["ms_per_step"] / p["plain_ms_per_step"] - 1
+
+
+def test_long_prompts_run_past_the_presets_window_with_yarn(monkeypatch, tmp_path, capsys):
+    # The tiny preset with a 256-position window: 300 tokens need YaRN (factor 4: 1,024), as 1M does on
+    # Qwen3.6 (factor 4 over 262,144).
+    monkeypatch.setitem(bench.PRESETS, "tiny", lambda: demo_config(1024) | {"max_position_embeddings": 256})
+    path = tmp_path / "bench.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--quick", "--workloads", "e"]
+    argv += ["--long-prompt", "100,300", "--max-num-batched-tokens", "64", "--long-prefill-chunk", "128"]
+    assert bench.main([*argv, "--max-seconds", "60", "--json", str(path)]) == 0
+
+    report = json.loads(path.read_text())
+    assert report["configuration"]["rope"] == "yarn x4, window 1,024"
+    points = {p["label"]: p for p in report["workloads"]["e"]}
+    assert list(points) == ["prefill 100", "decode at 100", "prefill 300", "decode at 300"]
+    for length in (100, 300):
+        prefill, decode = points[f"prefill {length}"], points[f"decode at {length}"]
+        assert prefill["prompt_len"] == decode["prompt_len"] == length and not prefill["capped"]
+        assert prefill["prefill_s"] > 0 and prefill["tokens_per_s"] > 0 and prefill["chunk"] == 128
+        assert prefill["steps"] == -(-length // 128)  # alone: chunks of 128, not of 64
+        assert decode["tokens_per_s"] > 0 and decode["mean_context"] >= length
+        # The decode roofline counts the KV cache read at that context.
+        assert decode["bytes_per_token"]["kv"] >= length * block_bytes(preset("tiny"), torch.float32, 1, 0)
+        assert decode["pct_of_roofline"] > 0
+    table = capsys.readouterr().out
+    assert "(e) prefill 300" in table and "(e) decode at 300" in table
+
+
+@pytest.mark.parametrize(
+    ("text", "lengths"),
+    [
+        ("131072,262144,1000000", (131072, 262144, 1000000)),
+        ("131k, 262k ,1M", (131000, 262000, 1000000)),
+        ("128Ki,256ki,1Mi", (131072, 262144, 1048576)),
+    ],
+)
+def test_long_prompt_lengths_take_suffixes(text, lengths):
+    assert parse_args(["--long-prompt", text]).long_prompt == lengths
+
+
+@pytest.mark.parametrize("text", ["", "0", "12kk", "Mi", "1.5M", "-3"])
+def test_bad_long_prompt_lengths_are_refused(text, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--long-prompt", text])
+    assert "--long-prompt" in capsys.readouterr().err
+
+
+def test_a_window_is_widened_with_qwen36s_yarn_only_when_needed():
+    raw = bench.PRESETS[FULL]()
+    assert with_window(raw, 262144) is raw
+    wide = config_from_dict(with_window(raw, 1_000_035))
+    assert wide.rope.rope_type == "yarn" and wide.rope.factor == 4.0 and wide.max_model_len == 1 << 20
+    assert wide.rope.original_max_position_embeddings == 262144 and wide.rope.theta == 1e7
+    assert config_from_dict(with_window(raw, 1_500_000)).max_model_len == 1 << 21
