@@ -142,3 +142,17 @@ def test_cos_sin_and_rotated_qk_equal_transformers_up_to_1m():
     # YaRN matters here: past the native window the plain rope's tables differ.
     plain, _ = rope_parameters(config_from_dict(QWEN35_35B_A3B))
     assert not torch.allclose(kernels.rotary_cos_sin(positions, plain, 1.0)[0], cos, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@torch.no_grad()
+def test_cuda_tables_equal_the_cpus_up_to_1m():
+    """The Triton tables (libdevice's cos/sin, full range reduction) at angles up to ~1e6 rad."""
+    inv_freq, scale = rope_parameters(config_from_dict(qwen36()))
+    positions = torch.tensor(POSITIONS)
+    cos, sin = kernels.rotary_cos_sin(positions, inv_freq, scale)
+    gpu_cos, gpu_sin = kernels.rotary_cos_sin(positions.cuda(), inv_freq.cuda(), scale)
+    # The same fp32 angles; cos and sin within an ulp or two of each other's (values <= 1.14).
+    torch.testing.assert_close(gpu_cos.cpu(), cos, rtol=0, atol=1e-6)
+    torch.testing.assert_close(gpu_sin.cpu(), sin, rtol=0, atol=1e-6)
