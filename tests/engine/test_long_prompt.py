@@ -104,6 +104,8 @@ def test_a_lone_long_prompt_in_larger_chunks_equals_small_chunks(ckpt, prompt):
     }.items():
         with Engine.from_pretrained(path, device="cpu", dtype="float32", **options) as engine:
             runs[name] = (engine.generate([prompt], greedy)[0].token_ids, engine.stats().steps)
+            # As served: unset is off on the CPU (the step budget itself).
+            assert engine.options.serving.long_prefill_chunk == options.get("long_prefill_chunk", 256)
     assert runs["large"][0] == runs["small"][0] and len(runs["small"][0]) == NEW
     # 3,000 tokens: 12 chunks of at most 256, or 2 of at most 2,048; then NEW - 1 decode steps.
     assert runs["small"][1] == 12 + NEW - 1 and runs["large"][1] == 2 + NEW - 1
