@@ -26,7 +26,7 @@ from engine.bench.traffic import param_counts
 from engine.cache import block_bytes, slot_bytes
 from engine.config import config_from_dict
 from engine.options import EngineOptions
-from engine.planner import affordable_seqs, plan_for, step_tokens
+from engine.planner import activation_bytes, affordable_seqs, plan_for, step_tokens
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -116,3 +116,24 @@ def test_automatic_max_num_seqs_leaves_one_full_context_its_blocks():
     assert n * per_slot <= budget - long_kv < (n + 1) * per_slot
     # Without that rule half the budget would have gone to slots.
     assert n < int(0.5 * budget) // per_slot
+
+
+def test_the_budget_leaves_room_for_a_lone_prefills_larger_step():
+    config = qwen36_1m()
+    total, free = H200, 70 * GIB
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    budgets = {}
+    for chunk in (None, 1, 65536):
+        options = EngineOptions.from_flat({"long_prefill_chunk": chunk, "max_num_seqs": 8})
+        with (
+            mock.patch("torch.cuda.mem_get_info", return_value=(free, total)),
+            mock.patch("torch.cuda.empty_cache"),
+        ):
+            _, plan = plan_for(config, torch.bfloat16, cuda, options, max_model_len=ONE_M)
+        budgets[chunk] = plan.budget_bytes
+        if chunk is None:
+            assert step_tokens(options, cuda) == 32768 and step_tokens(options, cpu) == 8192
+    assert step_tokens(EngineOptions.from_flat({"long_prefill_chunk": 1}), cuda) == 8192  # off
+    per_token = activation_bytes(config, torch.bfloat16, 1, 0)
+    assert budgets[1] - budgets[None] == (32768 - 8192) * per_token
+    assert budgets[None] - budgets[65536] == (65536 - 32768) * per_token
