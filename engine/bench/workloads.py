@@ -101,6 +101,21 @@ def long_positions(sizes: Sizes, prompt_len: int) -> int:
     return prompt_len + sizes.long_steps + WARMUP_STEPS + 16
 
 
+def long_prefill_flops(b: Bench, length: int, spent: float) -> dict[str, Any]:
+    """A long prompt's FLOPs: (c)'s weights term plus causal attention's, which grows with the square of the
+    length (QK^T and PV over the causal half: 2 x length^2 x head_dim per query head and full-attention
+    layer) and dominates past ~100k tokens on Qwen3.5/3.6; the delta rule's linear work is left out."""
+    c = b.config
+    attention = 2 * length**2 * c.num_attention_heads * c.head_dim * len(c.full_attention_layers)
+    flops = 2 * length * b.counts.matmul_params() + 2 * b.counts.lm_head + attention
+    return {
+        "flops": flops,
+        "attention_flops": attention,
+        "flop_per_s": flops / spent if spent else None,
+        "pct_of_matmul_rate": 100.0 * flops / spent / b.matmul if spent else None,
+    }
+
+
 def long_context(b: Bench) -> list[dict[str, Any]]:
     """(e) each very long prompt (--long-prompt, else one of `long_prompt`): its prefill, in lone chunks
     (`long_prefill_chunk`), then decode steps at that context, against the roofline with the KV read."""
@@ -129,8 +144,11 @@ def _long_context(b: Bench, length: int, wanted: int) -> list[dict[str, Any]]:
         tokens_per_s = core.prompt_tokens / spent if spent else None
         point = {"prompt_len": length, "prefill_s": spent, "steps": steps, "tokens_per_s": tokens_per_s}
         point |= {"chunk": chunk, "capped": not done}
+        point |= long_prefill_flops(b, length, spent)
         bytes_ = prefill_bytes(b.counts, b.config, b.dtype, seqs=1, prompt_len=length, chunk=chunk)
         point["note"] = f"prefill {spent:.1f} s in {steps} steps" + ("" if done else " (time cap)")
+        if spent:
+            point["note"] += f"; {point['pct_of_matmul_rate']:.1f}% of the matrix rate"
         if length < wanted:
             point["note"] += f"; {wanted} asked, the model's window is {b.config.max_model_len}"
         return point | roofline(bytes_, length, tokens_per_s, b.bandwidth)

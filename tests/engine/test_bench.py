@@ -331,10 +331,13 @@ def test_long_prompts_run_past_the_presets_window_with_yarn(monkeypatch, tmp_pat
         assert prefill["prompt_len"] == decode["prompt_len"] == length and not prefill["capped"]
         assert prefill["prefill_s"] > 0 and prefill["tokens_per_s"] > 0 and prefill["chunk"] == 128
         assert prefill["steps"] == -(-length // 128)  # alone: chunks of 128, not of 64
+        assert prefill["flops"] > prefill["attention_flops"] > 0 and prefill["pct_of_matmul_rate"] > 0
         assert decode["tokens_per_s"] > 0 and decode["mean_context"] >= length
         # The decode roofline counts the KV cache read at that context.
         assert decode["bytes_per_token"]["kv"] >= length * block_bytes(preset("tiny"), torch.float32, 1, 0)
         assert decode["pct_of_roofline"] > 0
+    # Causal attention's work grows with the square of the prompt.
+    assert points["prefill 300"]["attention_flops"] == 9 * points["prefill 100"]["attention_flops"]
     table = capsys.readouterr().out
     assert "(e) prefill 300" in table and "(e) decode at 300" in table
 
