@@ -104,7 +104,8 @@ def long_positions(sizes: Sizes, prompt_len: int) -> int:
 def long_prefill_flops(b: Bench, length: int, spent: float) -> dict[str, Any]:
     """A long prompt's FLOPs: (c)'s weights term plus causal attention's, which grows with the square of the
     length (QK^T and PV over the causal half: 2 x length^2 x head_dim per query head and full-attention
-    layer) and dominates past ~100k tokens on Qwen3.5/3.6; the delta rule's linear work is left out."""
+    layer) and outweighs the weights' past ~60k tokens on Qwen3.5/3.6; the delta rule's linear work is left
+    out."""
     c = b.config
     attention = 2 * length**2 * c.num_attention_heads * c.head_dim * len(c.full_attention_layers)
     flops = 2 * length * b.counts.matmul_params() + 2 * b.counts.lm_head + attention
