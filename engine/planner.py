@@ -29,7 +29,7 @@ MAX_AUTO_SEQS = 1024  # the most sequences an automatically sized engine runs at
 CPU_MAX_NUM_SEQS = 64  # the automatic size off CUDA
 STATE_SHARE = 0.5  # of the budget, what automatically sized state slots may take; KV blocks get the rest
 # A lone prefill's chunk on CUDA when long_prefill_chunk is unset. On an H200 with Qwen3.5/3.6-35B-A3B an
-# 8,192-token step reads all the weights (~67 GB in bf16, ~14 ms) and launches 40 layers of kernels; 32,768
+# 8,192-token step reads all the weights (66 GiB in bf16, ~15 ms) and launches 40 layers of kernels; 32,768
 # tokens spread that over 4x the tokens for ~4.3 GB of activations (`activation_bytes`: ~130 KiB a token).
 LONG_PREFILL_CHUNK = 32768
 
