@@ -9,6 +9,11 @@ covers one slice of the keys and writes a partial output and its log-sum-exp; a 
 Long path (varlen causal prefill): one program per (query head, tile of BLOCK_M new tokens of one long
 sequence); the tile's queries sit at positions ctx + j and see keys 0 .. ctx + j. Keys before the tile's
 first position are visible to every row and are read without the causal mask; the diagonal blocks with it.
+
+FP8 cache (`USE_KV_SCALE`): keys and values are e4m3 with an fp32 scale per (position, kv head) beside the
+pool (`fp8_kv`). A key tile is converted to q's dtype as stored (exact: e4m3 fits in bf16/fp16) and its
+scales multiply the score columns after the QK product; a value tile is dequantised (times its scales) before
+the PV product. The new rows are quantised by `fp8_kv.write` before either path reads them.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import dispatch
-from engine.kernels.attention import reference
+from engine.kernels.attention import fp8_kv, reference
 from engine.kernels.layout import SeqLayout
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
@@ -33,6 +38,7 @@ _SPLIT_MIN_KV = 512
 _MIN_KEYS_PER_SPLIT = 128
 _MAX_SPLITS = 128
 _LOG2E = 1.4426950408889634
+FP8_NEEDS_SM89 = "an FP8 KV cache needs sm_89 or later (Triton's e4m3 conversion)"
 
 
 @triton.jit
@@ -40,6 +46,8 @@ def _paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,
+    k_scale_ptr,  # [num_blocks, block_size, Hkv] fp32, contiguous (USE_KV_SCALE only)
+    v_scale_ptr,
     out_ptr,  # [T, Hq, D], or [B, Hkv, NUM_SPLITS, BLOCK_M, D] fp32 partial outputs when USE_SPLIT
     lse_ptr,  # [B, Hkv, NUM_SPLITS, BLOCK_M] fp32 log2-sum-exp of each partial (USE_SPLIT only)
     block_tables_ptr,  # [B, max_blocks] int32, padded with 0
@@ -65,6 +73,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_KV_SCALE: tl.constexpr = False,  # an FP8 cache with per-(position, kv head) scales
     PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
     pdl_wait(PDL)
@@ -112,6 +121,10 @@ def _paged_attention_kernel(
         v = tl.load(v_cache_ptr + v_offs, mask=kv_mask, other=0.0).to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if USE_KV_SCALE:
+            row = (block * KV_BLOCK + offset) * tl.num_programs(1) + h  # [BLOCK_N] scale index
+            s = s * tl.load(k_scale_ptr + row, mask=kv_ok, other=0.0)[None, :]
+            v = (v.to(tl.float32) * tl.load(v_scale_ptr + row, mask=kv_ok, other=0.0)[:, None]).to(q.dtype)
         seen = (pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -191,6 +204,8 @@ def _prefill_block(
     table_ptr,  # this sequence's row of the block tables
     k_ptr,  # k_cache_ptr + kv head * stride_kh
     v_ptr,
+    ks_ptr,  # k_scale_ptr + kv head (USE_KV_SCALE only)
+    vs_ptr,
     stride_kb,
     stride_kr,
     stride_vb,
@@ -202,6 +217,8 @@ def _prefill_block(
     BLOCK_N: tl.constexpr,
     IS_DIAGONAL: tl.constexpr,  # some key of the block lies past some query row: apply the causal mask
     DOT_PRECISION: tl.constexpr,
+    USE_KV_SCALE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
 ):
     pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     kv_ok = pos < kv_len
@@ -216,6 +233,10 @@ def _prefill_block(
     v = tl.load(v_ptr + v_offs, mask=kv_mask, other=0.0).to(q.dtype)
 
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if USE_KV_SCALE:
+        row = (block * KV_BLOCK + offset) * NUM_KV_HEADS  # [BLOCK_N] scale index (the head is in ks_ptr)
+        s = s * tl.load(ks_ptr + row, mask=kv_ok, other=0.0)[None, :]
+        v = (v.to(tl.float32) * tl.load(vs_ptr + row, mask=kv_ok, other=0.0)[:, None]).to(q.dtype)
     if IS_DIAGONAL:
         s = tl.where((pos[None, :] <= q_pos[:, None]) & kv_ok[None, :], s, float("-inf"))
     # Every row sees the first key of the first block it reads, so m stays finite.
@@ -232,6 +253,8 @@ def _prefill_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,
+    k_scale_ptr,  # [num_blocks, block_size, Hkv] fp32, contiguous (USE_KV_SCALE only)
+    v_scale_ptr,
     out_ptr,  # [T, Hq, D]
     block_tables_ptr,  # [B, max_blocks] int32 of the long sequences, padded with 0
     seq_info_ptr,  # [B, 3] int32: first token, new tokens, context length
@@ -255,6 +278,8 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_KV_SCALE: tl.constexpr = False,  # an FP8 cache with per-(position, kv head) scales
+    NUM_KV_HEADS: tl.constexpr = 1,
 ):
     # Heads vary fastest over the grid, so the query heads of one kv head read its key blocks close in time.
     head = tl.program_id(0)
@@ -279,6 +304,8 @@ def _prefill_attention_kernel(
     table_ptr = block_tables_ptr + b.to(tl.int64) * stride_bt
     k_ptr = k_cache_ptr + h * stride_kh
     v_ptr = v_cache_ptr + h * stride_vh
+    ks_ptr = k_scale_ptr + h
+    vs_ptr = v_scale_ptr + h
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -286,17 +313,17 @@ def _prefill_attention_kernel(
     full_end = (ctx + j0 + 1) // BLOCK_N * BLOCK_N
     for start in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _prefill_block(
-            q, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr,
+            q, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             stride_kb, stride_kr, stride_vb, stride_vr, scale_log2,
-            KV_BLOCK, HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION,
+            KV_BLOCK, HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION, USE_KV_SCALE, NUM_KV_HEADS,
         )  # fmt: skip
     # The rest, up to the tile's last position (padding rows past the sequence's end mask keys >= kv_len).
     diag_end = tl.minimum(kv_len, ctx + j0 + BLOCK_M)
     for start in range(full_end, diag_end, BLOCK_N):
         acc, m_i, l_i = _prefill_block(
-            q, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr,
+            q, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             stride_kb, stride_kr, stride_vb, stride_vr, scale_log2,
-            KV_BLOCK, HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION,
+            KV_BLOCK, HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION, USE_KV_SCALE, NUM_KV_HEADS,
         )  # fmt: skip
 
     o = acc / l_i[:, None]
@@ -312,9 +339,11 @@ def attention(
     v_cache: torch.Tensor,
     layout: SeqLayout,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Drop-in for `reference.attention`: write the new keys/values, then attend (see `paged_attention`)."""
-    return paged_attention(q, k, v, k_cache, v_cache, layout, scale)
+    return paged_attention(q, k, v, k_cache, v_cache, layout, scale, k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention(
@@ -328,6 +357,9 @@ def paged_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     block_m: int | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`attention` with the tiling exposed: `num_splits` key slices per (short sequence, kv head) (None:
     chosen from the batch and context sizes; 1: no split), `block_n` keys per step (None: 64 on the short
@@ -336,30 +368,35 @@ def paged_attention(
     Args:
         q: [T, Hq, D] queries; k, v: [T, Hkv, D] new keys/values.
         k_cache, v_cache: [num_blocks, block_size, Hkv, D] contiguous paged caches, written in place.
+        k_scale, v_scale: [num_blocks, block_size, Hkv] contiguous fp32 scales of an FP8 cache, else None.
         layout: the batch's sequences and block tables.
         scale: softmax scale.
     Returns:
         [T, Hq, D] in q's dtype.
     """
     hkv, d = k_cache.shape[2], k_cache.shape[3]
-    written = layout.slot_mapping(q.device)  # [T] flat cache row of each new token
-    k_cache.view(-1, hkv, d)[written] = k.to(k_cache.dtype)
-    v_cache.view(-1, hkv, d)[written] = v.to(v_cache.dtype)
+    scales = (k_scale, v_scale) if k_scale is not None and v_scale is not None else None
+    if scales is not None and q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
+        # Triton converts e4m3 (fp8e4nv) only on sm_89 and later.
+        dispatch.fallback("attention", FP8_NEEDS_SM89, k_cache=k_cache)
+        return reference.attention(q, k, v, k_cache, v_cache, layout, scale, k_scale, v_scale)
+    fp8_kv.write(k, v, k_cache, v_cache, layout.slot_mapping(q.device), k_scale, v_scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q = q if q.stride(-1) == 1 else q.contiguous()
     if layout.short_seqs:
-        _short(q, k_cache, v_cache, layout, scale, out, num_splits, block_n)
+        _short(q, k_cache, v_cache, scales, layout, scale, out, num_splits, block_n)
     if layout.long_seqs:
         if dispatch.prefill_kernels_enabled("attention", q=q):
-            _long(q, k_cache, v_cache, layout, scale, out, block_m, block_n)
+            _long(q, k_cache, v_cache, scales, layout, scale, out, block_m, block_n)
         else:
+            rows = [None if t is None else t.view(-1, hkv) for t in (k_scale, v_scale)]
             reference.long_sequences(
-                q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), layout, scale, out
+                q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), layout, scale, out, tuple(rows)
             )
     return out
 
 
-def _short(q, k_cache, v_cache, layout: SeqLayout, scale, out, num_splits, block_n) -> None:
+def _short(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, num_splits, block_n) -> None:
     """Every short sequence in one launch (plus the merge launch when the keys are split)."""
     seqs = layout.short_seqs
     num_seqs, hq, d = len(seqs), q.shape[1], q.shape[2]
@@ -387,9 +424,11 @@ def _short(q, k_cache, v_cache, layout: SeqLayout, scale, out, num_splits, block
         NUM_SPLITS=num_splits,
         USE_SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        USE_KV_SCALE=scales is not None,
         num_warps=8 if wide else 4,
         num_stages=2 if wide else 3,
     )
+    k_scale, v_scale = scales or (k_cache, v_cache)  # unread without scales
     if num_splits == 1:
         target, lse, target_strides = out, out, out.stride()[:2]
     else:
@@ -405,8 +444,9 @@ def _short(q, k_cache, v_cache, layout: SeqLayout, scale, out, num_splits, block
     )
     grid = (num_seqs, hkv, num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, target, lse, tables, info, scale * _LOG2E, *strides, **args, **pdl_launch()
-    )
+        q, k_cache, v_cache, k_scale, v_scale, target, lse, tables, info, scale * _LOG2E, *strides,
+        **args, **pdl_launch(),
+    )  # fmt: skip
     if num_splits == 1:
         return
     _merge_splits_kernel[(num_seqs, hkv, n_max * group)](
@@ -426,7 +466,7 @@ def _short(q, k_cache, v_cache, layout: SeqLayout, scale, out, num_splits, block
     )
 
 
-def _long(q, k_cache, v_cache, layout: SeqLayout, scale, out, block_m, block_n) -> None:
+def _long(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, block_n) -> None:
     """Every long sequence (prefill chunk) in one launch over (query head, tile of new tokens)."""
     hq, d = q.shape[1], q.shape[2]
     block_d = triton.next_power_of_2(d)
@@ -445,10 +485,13 @@ def _long(q, k_cache, v_cache, layout: SeqLayout, scale, out, block_m, block_n) 
         *out.stride()[:2],
         tables.stride(0),
     )
+    k_scale, v_scale = scales or (k_cache, v_cache)  # unread without scales
     _prefill_attention_kernel[(hq, tiles.shape[0])](
         q,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         out,
         tables,
         info,
@@ -462,6 +505,8 @@ def _long(q, k_cache, v_cache, layout: SeqLayout, scale, out, block_m, block_n) 
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        USE_KV_SCALE=scales is not None,
+        NUM_KV_HEADS=k_cache.shape[2],
         num_warps=8 if block_m * block_d >= 64 * 256 else 4,
         num_stages=2,
     )

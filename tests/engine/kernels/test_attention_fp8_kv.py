@@ -1,0 +1,97 @@
+"""The FP8 KV cache (e4m3, an fp32 scale per position and kv head): its storage rule, the torch reference
+reading it, and the Triton decode, verify, split-KV and prefill paths against that reference.
+
+Caches start as NaN except the context rows (their scales too), so a stale row that leaks shows up.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.attention import fp8_kv, reference
+from engine.kernels.attention import triton as attention_triton
+from tests.engine.kernels.test_attention_triton import _no_sdpa, make_case
+
+# The kernel scales score columns after the QK product and SDPA dequantises the keys first: in fp32 they
+# differ by summation order and one rounding, as the fp32 cache's comparison does.
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def fp8_case(*args, **kwargs):
+    """`make_case`'s inputs with the caches quantised to e4m3 and their scales (NaN rows stay NaN)."""
+    q, k, v, k_cache, v_cache, layout = make_case(*args, **kwargs)
+    (k8, ks), (v8, vs) = fp8_kv.quantize(k_cache), fp8_kv.quantize(v_cache)
+    return q, k, v, k8, v8, ks, vs, layout
+
+
+def check(case, **kwargs):
+    q, k, v, k8, v8, ks, vs, layout = case
+    scale = q.shape[-1] ** -0.5
+    ref = [t.clone() for t in (k8, v8, ks, vs)]
+    expected = reference.attention(q, k, v, ref[0], ref[1], layout, scale, ref[2], ref[3])
+    with pytest.MonkeyPatch.context() as mp:  # the Triton path must not fall back to SDPA
+        mp.setattr(F, "scaled_dot_product_attention", _no_sdpa)
+        got = attention_triton.paged_attention(
+            q, k, v, k8, v8, layout, scale, k_scale=ks, v_scale=vs, **kwargs
+        )
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, **TOL)
+    for mine, theirs in zip((k8, v8, ks, vs), ref, strict=True):  # the same rows and scales written
+        torch.testing.assert_close(mine.float(), theirs.float(), equal_nan=True, rtol=0, atol=0)
+
+
+def test_quantize_round_trip_error_and_no_overflow():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, 32, generator=g) * torch.logspace(-6, 6, 64)[:, None, None]  # 1e-6 .. 1e6
+    x[0] = 0.0
+    q, s = fp8_kv.quantize(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (64, 4) and s.dtype == torch.float32
+    back = fp8_kv.dequantize(q, s, torch.float32)
+    assert back.isfinite().all() and (back[0] == 0).all()
+    # The largest value maps to 448, whose binade [256, 448] is spaced 32 apart: rounding moves a value by
+    # at most 16 units of the scale, amax / 28.
+    amax = x.abs().amax(-1, keepdim=True)
+    assert ((back - x).abs() <= amax / 28 * (1 + 1e-6)).all()
+
+
+def test_reference_reads_the_fp8_cache_as_its_dequantised_values():
+    """The FP8 reference equals the plain reference over an fp32 cache holding the dequantised rows."""
+    q, k, v, k8, v8, ks, vs, layout = fp8_case([1, 3, 20], [9, 5, 0], hq=4, hkv=2, d=16, block_size=4)
+    scale = 0.25
+    got = reference.attention(q, k, v, k8, v8, layout, scale, ks, vs)
+    (k8n, ksn), (v8n, vsn) = fp8_kv.quantize(k), fp8_kv.quantize(v)  # what the new rows become
+    kd, vd = fp8_kv.dequantize(k8, ks, torch.float32), fp8_kv.dequantize(v8, vs, torch.float32)
+    expected = reference.attention(
+        q, fp8_kv.dequantize(k8n, ksn, q.dtype), fp8_kv.dequantize(v8n, vsn, q.dtype), kd, vd, layout, scale
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens", "heads"),
+    [
+        ([1, 1, 1], [0, 7, 33], (2, 2, 32)),  # decode
+        ([3, 2], [5, 17], (6, 2, 16)),  # MTP verify, GQA 3
+        ([20], [0], (3, 1, 16)),  # a prefill chunk from position 0
+        ([1, 24, 4], [40, 9, 3], (4, 2, 16)),  # mixed: decode, prefill after a context, verify
+    ],
+)
+def test_triton_matches_reference_on_an_fp8_cache(query_lens, context_lens, heads):
+    hq, hkv, d = heads
+    check(fp8_case(query_lens, context_lens, hq=hq, hkv=hkv, d=d, block_size=4), block_n=16, block_m=16)
+
+
+def test_split_kv_decode_matches_reference_on_an_fp8_cache():
+    check(fp8_case([1, 2], [70, 45], hq=4, hkv=2, d=16, block_size=8), num_splits=3, block_n=16)
+
+
+def test_fp8_cache_stays_close_to_the_fp32_cache():
+    """Attention over the FP8 cache against the same inputs over an fp32 cache: e4m3 keeps 3 mantissa bits
+    (a relative rounding of at most 2^-4 of each row's amax / 448 unit), so outputs of unit-scale inputs move
+    by a few hundredths; 0.1 is well above what one rounding gives and far below a wrong row's O(1)."""
+    q, k, v, k_cache, v_cache, layout = make_case([1, 3, 12], [30, 8, 0], hq=4, hkv=2, d=32, block_size=4)
+    expected = reference.attention(q, k, v, k_cache.clone(), v_cache.clone(), layout, 32**-0.5)
+    (k8, ks), (v8, vs) = fp8_kv.quantize(k_cache), fp8_kv.quantize(v_cache)
+    got = reference.attention(q, k, v, k8, v8, layout, 32**-0.5, ks, vs)
+    err = (got - expected).abs()
+    assert err.max() < 0.1 and err.mean() < 0.02, (err.max(), err.mean())
