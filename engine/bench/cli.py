@@ -2,7 +2,7 @@
 
     python -m engine.bench [--preset qwen3.5-35b-a3b | --preset tiny | --model PATH]
         [--workloads a,b,c,d,e,f,g,h,i,j] [--quick] [--max-seconds S] [--device cuda] [--dtype bfloat16]
-        [--kv-cache-gib G] [--json PATH]
+        [--kv-cache-gib G] [--kv-cache-dtype auto|fp8] [--json PATH]
     enclave bench ...   (the same arguments)
 
 A preset builds the model with seeded random weights directly on the device (no checkpoint, no tokenizer:
@@ -60,7 +60,7 @@ from engine.env import engine_env
 from engine.errors import EngineError
 from engine.model.fp8_linear import quantize_model_
 from engine.model.model import CausalLM
-from engine.options import QUANTIZATIONS, EngineOptions
+from engine.options import KV_CACHE_DTYPES, QUANTIZATIONS, EngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # (h)-(j) on CUDA: the engine's own budget, as a server sizes it, unless --kv-cache-gib says.
         serve_kv_cache_bytes=None if device.type == "cuda" and not args.kv_cache_gib else kv_cache_bytes,
         warm_up=args.warm_up,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     bandwidth, matmul = measure_device(device, dtype, args.quick)
     say(f"building {args.model or args.preset} on {device} as {dtype}")
@@ -170,6 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model_type": config.model_type,
         "dtype": str(dtype).removeprefix("torch."),
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "geometry": geometry(config),
         "params": param_summary(counts),
         "build_s": built_s,
@@ -250,6 +252,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run each workload this many times in the same process (later runs: every kernel compiled)",
     )
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help=_doc("quantization"))
+    parser.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=_doc("kv_cache_dtype")
+    )
     parser.add_argument("--json", default=str(DEFAULT_JSON), help="write the results here ('' for none)")
     args = parser.parse_args(argv)
     if args.max_seconds <= 0 or args.max_num_batched_tokens < 1 or args.max_num_seqs < 1 or args.repeat < 1:

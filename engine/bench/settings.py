@@ -78,3 +78,4 @@ class Settings:
     seed: int
     serve_kv_cache_bytes: int | None = None  # of (h)-(j); None: the engine's own budget from free memory
     warm_up: bool | None = None  # the serving engines' warm_up option; None: the engine's default
+    kv_cache_dtype: str = "auto"  # every workload's engine option (auto: the model's dtype; fp8)

@@ -86,7 +86,13 @@ def prefill(b: Bench) -> list[dict[str, Any]]:
             "capped": not done,
         }
         bytes_ = prefill_bytes(
-            b.counts, b.config, b.dtype, seqs=n, prompt_len=length, chunk=b.settings.max_num_batched_tokens
+            b.counts,
+            b.config,
+            b.dtype,
+            seqs=n,
+            prompt_len=length,
+            chunk=b.settings.max_num_batched_tokens,
+            kv_dtype=b.kv_dtype,
         )
         point |= roofline(bytes_, n * length, tokens_per_s, b.bandwidth)
         if spent:
@@ -114,7 +120,13 @@ def long_context(b: Bench) -> list[dict[str, Any]]:
         point = {"prompt_len": length, "prefill_s": spent, "steps": steps, "tokens_per_s": tokens_per_s}
         point["capped"] = not done
         bytes_ = prefill_bytes(
-            b.counts, b.config, b.dtype, seqs=1, prompt_len=length, chunk=b.settings.max_num_batched_tokens
+            b.counts,
+            b.config,
+            b.dtype,
+            seqs=1,
+            prompt_len=length,
+            chunk=b.settings.max_num_batched_tokens,
+            kv_dtype=b.kv_dtype,
         )
         point["note"] = f"prefill {spent:.1f} s" + ("" if done else " (time cap)")
         return point | roofline(bytes_, length, tokens_per_s, b.bandwidth)
@@ -124,7 +136,9 @@ def long_context(b: Bench) -> list[dict[str, Any]]:
             return {"skipped": "the prefill did not finish"}
         run = b.decode(state["core"], state["seqs"], s.long_steps, b.deadline())
         if run["decode_steps"]:
-            bytes_ = step_bytes(b.counts, b.config, b.dtype, seqs=1, context=run["mean_context"])
+            bytes_ = step_bytes(
+                b.counts, b.config, b.dtype, seqs=1, context=run["mean_context"], kv_dtype=b.kv_dtype
+            )
             run |= roofline(bytes_, 1, run["tokens_per_s"], b.bandwidth)
             run["note"] = f"{run['ms_per_step']:.1f} ms/step"
         return run
@@ -165,6 +179,7 @@ def mtp_verify(b: Bench) -> list[dict[str, Any]]:
                 tokens_per_seq=k + 1,
                 context=run["mean_context"],
                 state_writes=k + 1,
+                kv_dtype=b.kv_dtype,
             )
             run["step_bytes"] = bytes_.total
             tokens_per_step = run["decode_tokens"] / run["decode_steps"]
