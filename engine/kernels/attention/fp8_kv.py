@@ -13,13 +13,13 @@ import torch
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
-_TINY = 1e-12  # the scale of an all-zero row: its values stay 0 and 0 * scale stays 0
+SCALE_TINY = 1e-12  # the scale of an all-zero row: its values stay 0 and 0 * scale stays 0
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (x / scale as e4m3 [..., D], fp32 scale [...]) with scale = amax(|x|) / 448 per row."""
     x = x.float()
-    scale = (x.abs().amax(-1) / FP8_MAX).clamp_min(_TINY)
+    scale = (x.abs().amax(-1) / FP8_MAX).clamp_min(SCALE_TINY)
     # The clamp only catches fp32 rounding of amax / scale a hair above 448 (a cast past it gives NaN).
     q = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
     return q, scale

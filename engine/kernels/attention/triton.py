@@ -39,6 +39,8 @@ _MIN_KEYS_PER_SPLIT = 128
 _MAX_SPLITS = 128
 _LOG2E = 1.4426950408889634
 FP8_NEEDS_SM89 = "an FP8 KV cache needs sm_89 or later (Triton's e4m3 conversion)"
+_E4M3_MAX = tl.constexpr(fp8_kv.FP8_MAX)
+_SCALE_TINY = tl.constexpr(fp8_kv.SCALE_TINY)
 
 
 @triton.jit
@@ -147,6 +149,62 @@ def _paged_attention_kernel(
     else:
         o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _store_fp8_row(x_ptr, cache_ptr, scale_ptr, at, d, HEAD_DIM: tl.constexpr):
+    """Quantise one row [D] at x_ptr into the e4m3 cache's row `at` ([rows * Hkv, D] flat), its scale at
+    scale_ptr + at, as `fp8_kv.quantize` does (div_rn: its IEEE division, not the fast approximation)."""
+    d_ok = d < HEAD_DIM
+    x = tl.load(x_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), _E4M3_MAX), _SCALE_TINY)
+    q = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -_E4M3_MAX, _E4M3_MAX))
+    tl.store(cache_ptr + at * HEAD_DIM + d, q.to(cache_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(scale_ptr + at, scale)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (fp32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32: the cast after
+    it is exact, so the result (up to the sign of zero) does not hang on the cast's rounding (Triton's
+    interpreter rounds half up and can carry into the exponent: 126.8 -> 64)."""
+    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 |x|) for normal x
+    step_exp = tl.maximum(exponent, -6) - 3  # 3 mantissa bits; below 2^-6 the subnormals' fixed 2^-9
+    step = ((step_exp + 127) << 23).to(tl.float32, bitcast=True)  # 2^step_exp, exact
+    y = x / step  # exact: a power of two
+    r = tl.floor(y + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
+    r = tl.where(((r - y) == 0.5) & odd, r - 1.0, r)  # a tie rounded up to an odd value goes down
+    return r * step
+
+
+@triton.jit
+def _write_fp8_kv_kernel(
+    k_ptr,  # [T, Hkv, D] new keys, last dimension contiguous
+    v_ptr,
+    k_cache_ptr,  # [num_blocks * block_size, Hkv, D] e4m3, contiguous
+    v_cache_ptr,
+    k_scale_ptr,  # [num_blocks * block_size, Hkv] fp32
+    v_scale_ptr,
+    rows_ptr,  # [T] int64 flat cache row of each new token
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
+):
+    pdl_wait(PDL)
+    # One program per (new token, kv head): `fp8_kv.write` in one launch.
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    at = tl.load(rows_ptr + t).to(tl.int64) * NUM_KV_HEADS + h  # flat (row, kv head) index
+    d = tl.arange(0, BLOCK_D)
+    t64 = t.to(tl.int64)
+    _store_fp8_row(k_ptr + t64 * stride_kt + h * stride_kh, k_cache_ptr, k_scale_ptr, at, d, HEAD_DIM)
+    _store_fp8_row(v_ptr + t64 * stride_vt + h * stride_vh, v_cache_ptr, v_scale_ptr, at, d, HEAD_DIM)
 
 
 @triton.jit
@@ -380,7 +438,11 @@ def paged_attention(
         # Triton converts e4m3 (fp8e4nv) only on sm_89 and later.
         dispatch.fallback("attention", FP8_NEEDS_SM89, k_cache=k_cache)
         return reference.attention(q, k, v, k_cache, v_cache, layout, scale, k_scale, v_scale)
-    fp8_kv.write(k, v, k_cache, v_cache, layout.slot_mapping(q.device), k_scale, v_scale)
+    written = layout.slot_mapping(q.device)  # [T] flat cache row of each new token
+    if scales is None:
+        fp8_kv.write(k, v, k_cache, v_cache, written, None, None)
+    elif k.shape[0]:
+        write_fp8(k, v, k_cache, v_cache, k_scale, v_scale, written)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q = q if q.stride(-1) == 1 else q.contiguous()
     if layout.short_seqs:
@@ -394,6 +456,19 @@ def paged_attention(
                 q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), layout, scale, out, tuple(rows)
             )
     return out
+
+
+def write_fp8(k, v, k_cache, v_cache, k_scale, v_scale, written: torch.Tensor) -> None:
+    """`fp8_kv.write` in one launch: new keys/values [T, Hkv, D] quantised into the e4m3 caches at flat rows
+    `written` [T], their scales beside them."""
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    _write_fp8_kv_kernel[(k.shape[0], hkv)](
+        k, v, k_cache, v_cache, k_scale, v_scale, written, *k.stride()[:2], *v.stride()[:2],
+        NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 2,
+        **pdl_launch(),
+    )  # fmt: skip
 
 
 def _short(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, num_splits, block_n) -> None:

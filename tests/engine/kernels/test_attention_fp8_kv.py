@@ -12,6 +12,7 @@ from engine.kernels.attention import fp8_kv, reference
 from engine.kernels.attention import triton as attention_triton
 from tests.engine.kernels.test_attention_triton import _no_sdpa, make_case
 
+FP8, NAN = torch.float8_e4m3fn, float("nan")
 # The kernel scales score columns after the QK product and SDPA dequantises the keys first: in fp32 they
 # differ by summation order and one rounding, as the fp32 cache's comparison does.
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -52,6 +53,34 @@ def test_quantize_round_trip_error_and_no_overflow():
     # at most 16 units of the scale, amax / 28.
     amax = x.abs().amax(-1, keepdim=True)
     assert ((back - x).abs() <= amax / 28 * (1 + 1e-6)).all()
+
+
+def test_triton_write_rounds_as_torch_casts():
+    """The one-launch write against `fp8_kv.write`: every e4m3 value, every midpoint between two (ties go
+    to even), random values over five decades, a strided value view; the same bytes but for zero's sign."""
+    g = torch.Generator().manual_seed(1)
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[grid.isfinite()].unique()
+    x = torch.cat(
+        [grid, (grid[1:] + grid[:-1]) / 2, torch.randn(2000, generator=g) * torch.logspace(-3, 2, 2000)]
+    )
+    rows = x[: x.numel() // 32 * 32].view(-1, 1, 32).clone()
+    rows[:, 0, 0] = 448.0  # scale 1: the grid and its midpoints are quantised as they are
+    t = rows.shape[0]
+    wide = torch.randn(t, 3, 32, generator=g) * 50
+    v = wide[:, 1:2]  # [T, 1, 32] with a token stride of 96
+    written = torch.randperm(t + 5, generator=g)[:t]
+    caches = [torch.full((t + 5, 1, 1, 32), NAN).to(FP8) for _ in range(4)]
+    scales = [torch.full((t + 5, 1, 1), NAN) for _ in range(4)]
+    fp8_kv.write(rows, v, caches[0], caches[1], written, scales[0], scales[1])
+    attention_triton.write_fp8(rows, v, caches[2], caches[3], scales[2], scales[3], written)
+    for mine, theirs in (
+        (caches[2], caches[0]),
+        (caches[3], caches[1]),
+        (scales[2], scales[0]),
+        (scales[3], scales[1]),
+    ):
+        torch.testing.assert_close(mine.float(), theirs.float(), equal_nan=True, rtol=0, atol=0)
 
 
 def test_reference_reads_the_fp8_cache_as_its_dequantised_values():
