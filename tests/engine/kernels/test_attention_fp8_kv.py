@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.env import reset_engine_env
 from engine.kernels.attention import fp8_kv, reference
 from engine.kernels.attention import triton as attention_triton
 from tests.engine.kernels.test_attention_triton import _no_sdpa, make_case
@@ -124,3 +125,43 @@ def test_fp8_cache_stays_close_to_the_fp32_cache():
     got = reference.attention(q, k, v, k8, v8, layout, 32**-0.5, ks, vs)
     err = (got - expected).abs()
     assert err.max() < 0.1 and err.mean() < 0.02, (err.max(), err.mean())
+
+
+def test_prefill_kernel_switched_off_reads_the_fp8_cache_in_the_reference(monkeypatch):
+    """ENCLAVE_TRITON_PREFILL=0 hands the scales to the reference's prefill too."""
+    monkeypatch.setenv("ENCLAVE_TRITON_PREFILL", "0")
+    reset_engine_env()
+    q, k, v, k8, v8, ks, vs, layout = fp8_case([1, 20], [37, 5], hq=4, hkv=2, d=16, block_size=4)
+    ref = [t.clone() for t in (k8, v8, ks, vs)]
+    expected = reference.attention(q, k, v, ref[0], ref[1], layout, 0.25, ref[2], ref[3])
+    got = attention_triton.paged_attention(q, k, v, k8, v8, layout, 0.25, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(got, expected, **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "query_lens, context_lens",
+    [
+        ((1,) * 64, tuple((97 * i) % 4000 for i in range(64))),  # decode batch
+        ((4,) * 16, tuple(300 * i for i in range(16))),  # MTP verify
+        ((1,), (128 * 1024,)),  # one long context: split-KV
+        ((1, 300, 4, 1), (5000, 0, 12, 1)),  # decodes, a prefill chunk, a verify step
+        ((2000, 9), (14000, 0)),  # a later chunk over a long context, a short prompt
+    ],
+)
+def test_real_shapes_bf16_fp8_cache(query_lens, context_lens):
+    """Qwen3.5-35B-A3B attention in bf16 over an FP8 cache against the reference in fp32 over the same
+    cache (its dequantised rows are exact in fp32), and the bytes the write kernel stores (the GPU's own
+    e4m3 conversion) against torch's cast."""
+    q, k, v, k8, v8, ks, vs, layout = fp8_case(
+        query_lens, context_lens, hq=16, hkv=2, d=256, block_size=16, dtype=torch.bfloat16, device="cuda"
+    )
+    scale = 256**-0.5
+    ref = [t.clone() for t in (k8, v8, ks, vs)]
+    expected = reference.attention(q.float(), k.float(), v.float(), ref[0], ref[1], layout, scale, *ref[2:])
+    got = attention_triton.attention(q, k, v, k8, v8, layout, scale, ks, vs)
+    # As the bf16 cache's test: inputs, softmax weights and output each rounded once to bf16.
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+    for mine, theirs in zip((k8, v8, ks, vs), ref, strict=True):
+        torch.testing.assert_close(mine.float(), theirs.float(), equal_nan=True, rtol=0, atol=0)
