@@ -434,7 +434,7 @@ def paged_attention(
     """
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     scales = (k_scale, v_scale) if k_scale is not None and v_scale is not None else None
-    if scales is not None and q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
+    if scales is not None and q.is_cuda and _capability(q.device.index or 0) < (8, 9):
         # Triton converts e4m3 (fp8e4nv) only on sm_89 and later.
         dispatch.fallback("attention", FP8_NEEDS_SM89, k_cache=k_cache)
         return reference.attention(q, k, v, k_cache, v_cache, layout, scale, k_scale, v_scale)
@@ -640,6 +640,11 @@ def _num_splits(num_programs: int, kv_max: int, device: torch.device) -> int:
     if num_programs >= target:
         return 1
     return max(1, min(triton.cdiv(target, num_programs), kv_max // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 @functools.cache
