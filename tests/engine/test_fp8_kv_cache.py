@@ -91,6 +91,27 @@ def test_engine_plans_and_serves_with_an_fp8_cache(demo_dir):
     assert same / sum(len(x) for x in expected) >= 0.95
 
 
+def test_shared_prefix_copies_its_partial_block_with_its_scales(demo_dir, monkeypatch):
+    """A 37-token prefix in blocks of 16 leaves a partial third block that each request gets a copy of
+    (`copy_blocks`); with the scales copied, requests from the cached prefix decode as without it."""
+    copies = []
+    real = ModelCache.copy_blocks
+    monkeypatch.setattr(
+        ModelCache, "copy_blocks", lambda self, s, d: copies.append(len(s)) or real(self, s, d)
+    )
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(0, 256, (37,), generator=g).tolist()
+    prompts = [prefix + torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 11)]
+    options = dict(device="cpu", dtype="float32", max_num_seqs=4, kv_cache_dtype="fp8", block_size=16)
+    with Engine.from_pretrained(demo_dir, max_prefixes=0, **options) as e:
+        expected = [o.token_ids for o in e.generate(prompts, GREEDY)]
+    with Engine.from_pretrained(demo_dir, **options) as e:
+        outs = [f.result() for f in [e.submit(p, GREEDY, prefix=prefix) for p in prompts]]
+    assert all(o.metrics.cached_prefix_tokens == len(prefix) - 1 for o in outs)
+    assert sum(copies) >= len(prompts)  # a partial block copied per request
+    assert [o.token_ids for o in outs] == expected
+
+
 def test_speculation_reads_and_writes_the_mtp_heads_fp8_layers(demo_dir):
     options = dict(device="cpu", dtype="float32", max_num_seqs=4, kv_cache_dtype="fp8")
     with Engine.from_pretrained(demo_dir, num_speculative_tokens=2, **options) as e:
