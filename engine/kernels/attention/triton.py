@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.env import engine_env
 from engine.kernels import dispatch
 from engine.kernels.attention import fp8_kv, reference
 from engine.kernels.layout import SeqLayout
@@ -252,7 +253,8 @@ def _merge_splits_kernel(
 
 @triton.jit
 def _prefill_block(
-    q,  # [BLOCK_M, BLOCK_D] queries of the tile
+    q,  # [BLOCK_M, BLOCK_D] queries of the tile (FP8_DOT: e4m3, times q_scale)
+    q_scale,  # [BLOCK_M] fp32 (FP8_DOT only)
     acc,  # [BLOCK_M, BLOCK_D] fp32 unnormalised output
     m_i,  # [BLOCK_M] fp32 running max (base 2)
     l_i,  # [BLOCK_M] fp32 running sum
@@ -277,6 +279,8 @@ def _prefill_block(
     DOT_PRECISION: tl.constexpr,
     USE_KV_SCALE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
+    FP8_DOT: tl.constexpr,  # e4m3 products (needs USE_KV_SCALE)
+    EXACT_E4M3: tl.constexpr,
 ):
     pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     kv_ok = pos < kv_len
@@ -286,15 +290,21 @@ def _prefill_block(
     # Rows past the sequence's end may hold NaN: masked loads give 0 there (0 * NaN would be NaN).
     kv_mask = kv_ok[:, None] & (d < HEAD_DIM)[None, :]
     k_offs = block[:, None] * stride_kb + offset[:, None] * stride_kr + d[None, :]
-    k = tl.load(k_ptr + k_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
     v_offs = block[:, None] * stride_vb + offset[:, None] * stride_vr + d[None, :]
-    v = tl.load(v_ptr + v_offs, mask=kv_mask, other=0.0).to(q.dtype)
-
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if FP8_DOT:
+        k = tl.load(k_ptr + k_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D] e4m3 as stored
+        v = tl.load(v_ptr + v_offs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * (q_scale * scale_log2)[:, None]  # [BLOCK_M, BLOCK_N]
+    else:
+        k = tl.load(k_ptr + k_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptr + v_offs, mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
     if USE_KV_SCALE:
         row = (block * KV_BLOCK + offset) * NUM_KV_HEADS  # [BLOCK_N] scale index (the head is in ks_ptr)
         s = s * tl.load(ks_ptr + row, mask=kv_ok, other=0.0)[None, :]
-        v = (v.to(tl.float32) * tl.load(vs_ptr + row, mask=kv_ok, other=0.0)[:, None]).to(q.dtype)
+        vs = tl.load(vs_ptr + row, mask=kv_ok, other=0.0)  # [BLOCK_N]
+        if not FP8_DOT:
+            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
     if IS_DIAGONAL:
         s = tl.where((pos[None, :] <= q_pos[:, None]) & kv_ok[None, :], s, float("-inf"))
     # Every row sees the first key of the first block it reads, so m stays finite.
@@ -302,8 +312,25 @@ def _prefill_block(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if FP8_DOT:
+        # P times the values' scales, quantised per row (one fp32 factor a row, e4m3's full range).
+        pv = p * vs[None, :]
+        pv_scale = tl.maximum(tl.max(pv, 1) / _E4M3_MAX, _SCALE_TINY)  # [BLOCK_M]
+        pv8 = _to_e4m3(pv / pv_scale[:, None], EXACT_E4M3)
+        acc = acc * alpha[:, None] + tl.dot(pv8, v) * pv_scale[:, None]
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _to_e4m3(x, EXACT_E4M3: tl.constexpr):
+    """x (fp32, |x| <= 448 up to rounding) as e4m3; EXACT_E4M3 rounds in fp32 first (the interpreter's
+    cast is faulty, see `_round_to_e4m3`; the GPU's cast rounds to nearest even, saturating, the same)."""
+    x = tl.clamp(x, -_E4M3_MAX, _E4M3_MAX)
+    if EXACT_E4M3:
+        x = _round_to_e4m3(x)
+    return x.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -338,6 +365,8 @@ def _prefill_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_KV_SCALE: tl.constexpr = False,  # an FP8 cache with per-(position, kv head) scales
     NUM_KV_HEADS: tl.constexpr = 1,
+    FP8_DOT: tl.constexpr = False,  # e4m3 QK and PV products: q and P quantised per row
+    EXACT_E4M3: tl.constexpr = False,  # round to e4m3 in fp32 before casts (the interpreter)
 ):
     # Heads vary fastest over the grid, so the query heads of one kv head read its key blocks close in time.
     head = tl.program_id(0)
@@ -358,6 +387,12 @@ def _prefill_attention_kernel(
     io_mask = row_ok[:, None] & d_ok[None, :]
     q_offs = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_offs, mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]; padding rows 0
+    if FP8_DOT:
+        qf = q.to(tl.float32)
+        q_scale = tl.maximum(tl.max(tl.abs(qf), 1) / _E4M3_MAX, _SCALE_TINY)  # [BLOCK_M]
+        q = _to_e4m3(qf / q_scale[:, None], EXACT_E4M3)
+    else:
+        q_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
 
     table_ptr = block_tables_ptr + b.to(tl.int64) * stride_bt
     k_ptr = k_cache_ptr + h * stride_kh
@@ -371,17 +406,19 @@ def _prefill_attention_kernel(
     full_end = (ctx + j0 + 1) // BLOCK_N * BLOCK_N
     for start in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _prefill_block(
-            q, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+            q, q_scale, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             stride_kb, stride_kr, stride_vb, stride_vr, scale_log2,
             KV_BLOCK, HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION, USE_KV_SCALE, NUM_KV_HEADS,
+            FP8_DOT, EXACT_E4M3,
         )  # fmt: skip
     # The rest, up to the tile's last position (padding rows past the sequence's end mask keys >= kv_len).
     diag_end = tl.minimum(kv_len, ctx + j0 + BLOCK_M)
     for start in range(full_end, diag_end, BLOCK_N):
         acc, m_i, l_i = _prefill_block(
-            q, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+            q, q_scale, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             stride_kb, stride_kr, stride_vb, stride_vr, scale_log2,
             KV_BLOCK, HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION, USE_KV_SCALE, NUM_KV_HEADS,
+            FP8_DOT, EXACT_E4M3,
         )  # fmt: skip
 
     o = acc / l_i[:, None]
@@ -418,6 +455,7 @@ def paged_attention(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    fp8_products: bool | None = None,
 ) -> torch.Tensor:
     """`attention` with the tiling exposed: `num_splits` key slices per (short sequence, kv head) (None:
     chosen from the batch and context sizes; 1: no split), `block_n` keys per step (None: 64 on the short
@@ -427,6 +465,8 @@ def paged_attention(
         q: [T, Hq, D] queries; k, v: [T, Hkv, D] new keys/values.
         k_cache, v_cache: [num_blocks, block_size, Hkv, D] contiguous paged caches, written in place.
         k_scale, v_scale: [num_blocks, block_size, Hkv] contiguous fp32 scales of an FP8 cache, else None.
+        fp8_products: with an FP8 cache, run the prefill kernel's QK and PV products in e4m3 (queries and
+            softmax weights quantised per row); None: as ENCLAVE_FP8_ATTENTION says (default off).
         layout: the batch's sequences and block tables.
         scale: softmax scale.
     Returns:
@@ -449,7 +489,10 @@ def paged_attention(
         _short(q, k_cache, v_cache, scales, layout, scale, out, num_splits, block_n)
     if layout.long_seqs:
         if dispatch.prefill_kernels_enabled("attention", q=q):
-            _long(q, k_cache, v_cache, scales, layout, scale, out, block_m, block_n)
+            if fp8_products is None:
+                fp8_products = engine_env().fp8_attention
+            fp8_dot = scales is not None and fp8_products
+            _long(q, k_cache, v_cache, scales, layout, scale, out, block_m, block_n, fp8_dot)
         else:
             rows = [None if t is None else t.view(-1, hkv) for t in (k_scale, v_scale)]
             reference.long_sequences(
@@ -541,7 +584,7 @@ def _short(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, num_split
     )
 
 
-def _long(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, block_n) -> None:
+def _long(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, block_n, fp8_dot) -> None:
     """Every long sequence (prefill chunk) in one launch over (query head, tile of new tokens)."""
     hq, d = q.shape[1], q.shape[2]
     block_d = triton.next_power_of_2(d)
@@ -582,6 +625,8 @@ def _long(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, b
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         USE_KV_SCALE=scales is not None,
         NUM_KV_HEADS=k_cache.shape[2],
+        FP8_DOT=fp8_dot,
+        EXACT_E4M3=fp8_dot and engine_env().triton_interpret,
         num_warps=8 if block_m * block_d >= 64 * 256 else 4,
         num_stages=2,
     )

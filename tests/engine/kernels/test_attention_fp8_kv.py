@@ -138,6 +138,46 @@ def test_prefill_kernel_switched_off_reads_the_fp8_cache_in_the_reference(monkey
     torch.testing.assert_close(got, expected, **TOL)
 
 
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens", "heads"),
+    [([20], [0], (3, 1, 16)), ([1, 24, 4], [40, 9, 3], (4, 2, 32)), ([70], [50], (4, 2, 64))],
+)
+def test_fp8_products_stay_close_to_the_reference(query_lens, context_lens, heads):
+    """The prefill kernel's e4m3 QK and PV products (queries, and softmax weights times the value scales,
+    quantised per row) against the reference over the same FP8 cache. Each quantisation moves a factor by
+    at most 2^-4 of itself; over unit-normal inputs that moved outputs (std 0.2-0.5) by 0.03-0.07 at most
+    and 0.004-0.008 on average (measured); 0.15 and 0.02 leave room and still catch a lost scale (O(1))."""
+    hq, hkv, d = heads
+    q, k, v, k8, v8, ks, vs, layout = fp8_case(query_lens, context_lens, hq=hq, hkv=hkv, d=d, block_size=4)
+    ref = [t.clone() for t in (k8, v8, ks, vs)]
+    expected = reference.attention(q, k, v, ref[0], ref[1], layout, d**-0.5, ref[2], ref[3])
+    got = attention_triton.paged_attention(
+        q, k, v, k8, v8, layout, d**-0.5, k_scale=ks, v_scale=vs, block_n=16, block_m=16, fp8_products=True
+    )
+    err = (got - expected).abs()
+    assert err.max() < 0.15 and err.mean() < 0.02, (err.max(), err.mean())
+    short = [t for i in layout.short_seqs for t in range(layout.cu_seqlens[i], layout.cu_seqlens[i + 1])]
+    torch.testing.assert_close(got[short], expected[short], **TOL)  # decode and verify stay exact
+
+
+def test_fp8_products_follow_their_variable(monkeypatch):
+    case = fp8_case([24], [9], hq=4, hkv=2, d=32, block_size=4)
+    q, k, v, k8, v8, ks, vs, layout = case
+
+    def run(**kwargs):
+        caches = [t.clone() for t in (k8, v8, ks, vs)]
+        return attention_triton.paged_attention(
+            q, k, v, caches[0], caches[1], layout, 32**-0.5, k_scale=caches[2], v_scale=caches[3], **kwargs
+        )
+
+    plain, products = run(fp8_products=False), run(fp8_products=True)
+    assert not torch.equal(plain, products)
+    assert torch.equal(run(), plain)  # off by default
+    monkeypatch.setenv("ENCLAVE_FP8_ATTENTION", "1")
+    reset_engine_env()
+    assert torch.equal(run(), products)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
@@ -165,3 +205,23 @@ def test_real_shapes_bf16_fp8_cache(query_lens, context_lens):
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
     for mine, theirs in zip((k8, v8, ks, vs), ref, strict=True):
         torch.testing.assert_close(mine.float(), theirs.float(), equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("query_lens, context_lens", [((8192,), (0,)), ((2000, 300), (14000, 0))])
+def test_real_shapes_fp8_products(query_lens, context_lens):
+    """The e4m3 products at Qwen3.5's prefill shapes against the fp32 reference over the same FP8 cache:
+    the first measurement of their error on the GPU (bounds as the interpreter's test, which at these
+    lengths average more rounding per output)."""
+    q, k, v, k8, v8, ks, vs, layout = fp8_case(
+        query_lens, context_lens, hq=16, hkv=2, d=256, block_size=16, dtype=torch.bfloat16, device="cuda"
+    )
+    scale = 256**-0.5
+    ref = [t.clone() for t in (k8, v8, ks, vs)]
+    expected = reference.attention(q.float(), k.float(), v.float(), ref[0], ref[1], layout, scale, *ref[2:])
+    got = attention_triton.paged_attention(
+        q, k, v, k8, v8, layout, scale, k_scale=ks, v_scale=vs, fp8_products=True
+    )
+    err = (got.float() - expected).abs()
+    assert err.max() < 0.15 and err.mean() < 0.02, (err.max(), err.mean())
