@@ -10,9 +10,10 @@ top-1 token agrees: `greedy_agreement`); a free-running FP8 run decodes its own 
 `first_divergence` says how many of them matched the baseline's before the first difference. Each step's
 largest error is kept too: its median and 99th percentile show the typical step, while the max is often
 one step where the perturbation flipped a token's top-k experts (an O(1) jump, as any perturbation can
-cause; measured on the demo model, issue 19). The model is
-called directly (prefill of every prompt, then one decode step per token), so the kernels are the ones
-`ENCLAVE_KERNELS` picks: the torch reference on the CPU, Triton on CUDA.
+cause; measured on the demo model, issue 19). The model is called directly (prefill of every prompt, then
+one decode step per token, no CUDA graphs), so the kernels are the ones `ENCLAVE_KERNELS` picks: the torch
+reference on the CPU, Triton on CUDA (with ENCLAVE_FP8_ATTENTION=1 the FP8 runs' prefill uses e4m3
+products too).
 """
 
 from __future__ import annotations
