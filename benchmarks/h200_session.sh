@@ -68,6 +68,12 @@ for step in $STEPS; do
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       run "bench_k" "${BENCH_LIMIT:-300}" python -m engine.bench --preset qwen3.5-35b-a3b --workloads k \
         --batches 64,256 --json "$OUT/bench_k.json" "$@" ;;
+    kv_fp8)  # the FP8 KV cache (issue 19): its gpu tests, then greedy agreement and logit error over 256 tokens
+      # on the random-weight preset; (b) and (d) on it: STEPS=bench BENCH_TAG=_kv_fp8 ... --kv-cache-dtype fp8
+      run kv_fp8_tests 240 python -m pytest -q -p no:cacheprovider $CUT -m gpu \
+        tests/engine/kernels/test_attention_fp8_kv.py tests/engine/test_fp8_kv_cache.py
+      run kv_fp8_accuracy "${KV_LIMIT:-300}" python -m engine.bench.kv_accuracy --preset qwen3.5-35b-a3b \
+        --seqs 8 --prompt-len 512 --tokens 256 --json "$OUT/kv_fp8_accuracy.json" ;;
     bench)  # BENCH_TAG names the files when one call runs several benches; BENCH_LIMIT caps the seconds
       run "bench${BENCH_TAG:-}" "${BENCH_LIMIT:-540}" python -m engine.bench --preset qwen3.5-35b-a3b \
         --json "$OUT/bench${BENCH_TAG:-}.json" "$@" ;;

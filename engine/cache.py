@@ -4,6 +4,9 @@ A *slot* holds, for every Gated DeltaNet layer, the conv window [C, K-1] and the
 [Hv, dk, dv] of one sequence. A *block* holds `block_size` positions of keys and values for every
 full-attention layer (and the MTP head's attention layers, which share the block tables). Which slot and
 blocks a sequence owns is decided by the allocators (engine/allocator.py); this file only holds tensors.
+
+The KV blocks are in the model's dtype, or with `kv_cache_dtype="fp8"` in float8 e4m3 with an fp32 scale
+per (position, kv head) in a parallel tensor (engine/kernels/attention/fp8_kv.py): about half the bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
+from engine.kernels.attention.fp8_kv import FP8_KV_DTYPE
+
+KV_SCALE_DTYPE = torch.float32
 
 
 @dataclass
@@ -29,6 +35,21 @@ class PagedKV:
 
     k: torch.Tensor  # [num_blocks, block_size, Hkv, D]
     v: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    k_scale: torch.Tensor | None = None  # [num_blocks, block_size, Hkv] fp32 of an FP8 cache, else None
+    v_scale: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+
+
+def kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV blocks' dtype for the `kv_cache_dtype` option: auto, the model's `dtype`; fp8, e4m3."""
+    return FP8_KV_DTYPE if name == "fp8" else dtype
+
+
+def is_scaled(kv_dtype: torch.dtype) -> bool:
+    """Whether KV blocks of this dtype carry scales (FP8)."""
+    return kv_dtype == FP8_KV_DTYPE
 
 
 def slot_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -39,10 +60,12 @@ def slot_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return c.layer_types.count("linear_attention") * (conv + rec)
 
 
-def block_bytes(config: ModelConfig, dtype: torch.dtype, block_size: int, num_mtp_layers: int) -> int:
-    """Bytes of one KV block over all attention layers, the MTP head's included."""
+def block_bytes(config: ModelConfig, kv_dtype: torch.dtype, block_size: int, num_mtp_layers: int) -> int:
+    """Bytes of one KV block of `kv_dtype` over all attention layers, the MTP head's included (an FP8
+    block's scales too)."""
     layers = config.layer_types.count("full_attention") + num_mtp_layers
-    return layers * 2 * block_size * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    row = config.head_dim * kv_dtype.itemsize + (KV_SCALE_DTYPE.itemsize if is_scaled(kv_dtype) else 0)
+    return layers * 2 * block_size * config.num_key_value_heads * row
 
 
 class ModelCache:
@@ -57,6 +80,7 @@ class ModelCache:
         device: torch.device | str,
         dtype: torch.dtype,
         num_mtp_layers: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.config = config
         self.num_slots = num_slots
@@ -64,6 +88,7 @@ class ModelCache:
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype  # the KV blocks'; FP8 ones carry scales
         self.layers: dict[int, LinearState | PagedKV] = {
             i: self._linear() if kind == "linear_attention" else self._kv()
             for i, kind in enumerate(config.layer_types)
@@ -82,10 +107,11 @@ class ModelCache:
     def _kv(self) -> PagedKV:
         c = self.config
         shape = (self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
-        return PagedKV(
-            torch.empty(shape, device=self.device, dtype=self.dtype),
-            torch.empty(shape, device=self.device, dtype=self.dtype),
-        )
+        kv = [torch.empty(shape, device=self.device, dtype=self.kv_dtype) for _ in range(2)]
+        if not is_scaled(self.kv_dtype):
+            return PagedKV(*kv)
+        scales = [torch.empty(shape[:3], device=self.device, dtype=KV_SCALE_DTYPE) for _ in range(2)]
+        return PagedKV(*kv, *scales)
 
     def linear_states(self) -> list[LinearState]:
         return [s for s in self.layers.values() if isinstance(s, LinearState)]
@@ -104,21 +130,21 @@ class ModelCache:
             state.recurrent[d] = state.recurrent[s]
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Copy KV blocks `src` into `dst` (pairwise), in every attention layer."""
+        """Copy KV blocks `src` into `dst` (pairwise), with their scales, in every attention layer."""
         if not src:
             return
         s = torch.tensor(src, device=self.device)
         d = torch.tensor(dst, device=self.device)
         for kv in self.kv_states():
-            kv.k[d] = kv.k[s]
-            kv.v[d] = kv.v[s]
+            for t in kv.tensors():
+                t[d] = t[s]
 
     def tensors(self) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
         for s in self.linear_states():
             out += [s.conv, s.recurrent]
         for kv in self.kv_states():
-            out += [kv.k, kv.v]
+            out += kv.tensors()
         return out
 
     @property

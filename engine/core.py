@@ -11,7 +11,7 @@ import logging
 import time
 
 from engine.allocator import BlockAllocator, SlotAllocator
-from engine.cache import ModelCache
+from engine.cache import ModelCache, kv_cache_dtype
 from engine.errors import EngineError
 from engine.graphs import DecodeGraphs, graphs_wanted
 from engine.kernels import dispatch
@@ -59,7 +59,10 @@ class EngineCore:
         graphs = int(graphs_wanted(device, options.kernels.cuda_graphs))
         # With CUDA graphs one more slot and block, past the allocators' ranges, take the padding sequences.
         slots, blocks = plan.total_slots + graphs, plan.num_blocks + graphs
-        self.cache = ModelCache(model.config, slots, blocks, plan.block_size, device, dtype, num_mtp)
+        kv_dtype = kv_cache_dtype(options.cache.kv_cache_dtype, dtype)
+        self.cache = ModelCache(
+            model.config, slots, blocks, plan.block_size, device, dtype, num_mtp, kv_dtype
+        )
         self.slots = SlotAllocator(plan.num_slots)
         self.blocks = BlockAllocator(plan.num_blocks, plan.block_size)
         self.scheduler = Scheduler(

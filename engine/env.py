@@ -48,6 +48,14 @@ VARIABLES: tuple[Variable, ...] = (
         "`0` sends CUDA prefill chunks to the torch references (for bisecting a numerical problem)",
     ),
     Variable(
+        "ENCLAVE_FP8_ATTENTION",
+        "fp8_attention",
+        "switch",
+        "0",
+        "`1` runs the prefill attention kernel's QK and PV products in FP8 (e4m3) when the KV cache is FP8 "
+        "(`kv_cache_dtype=fp8`); `0`: in the model's dtype",
+    ),
+    Variable(
         "ENCLAVE_PDL",
         "pdl",
         "switch",
@@ -91,6 +99,7 @@ class EngineEnv:
 
     kernels: str = "auto"
     triton_prefill: bool = True
+    fp8_attention: bool = False
     pdl: bool = True
     cuda_graphs: bool = True
     async_scheduling: bool = True

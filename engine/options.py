@@ -2,11 +2,11 @@
 
 `EngineOptions` groups them: `load` (device, dtype, quantization: how `Engine.from_pretrained` loads the
 weights), `serving` (batch limits, context length, asynchronous scheduling), `cache` (its memory, block size,
-shared prefixes), `kernels` (CUDA graphs) and `speculation` (MTP drafts). Each field carries its meaning in
-`metadata["doc"]`: the help of enclave.toml's `[engine]` table and of command lines. Option names are unique
-across concerns, so a flat view exists too: `flat_fields()` lists them, `from_flat` builds options from
-flat keys (values may be strings, as from the environment). A bad value raises `OptionError`, one line
-naming the option, or where it came from.
+shared prefixes, KV dtype), `kernels` (CUDA graphs) and `speculation` (MTP drafts). Each field carries its
+meaning in `metadata["doc"]`: the help of enclave.toml's `[engine]` table and of command lines. Option
+names are unique across concerns, so a flat view exists too: `flat_fields()` lists them, `from_flat` builds
+options from flat keys (values may be strings, as from the environment). A bad value raises `OptionError`,
+one line naming the option, or where it came from.
 
 Options left unset (None) are worked out when the engine starts: from the device, the checkpoint, the cache
 budget, or an `ENCLAVE_*` switch (`engine/env.py`) where one exists. This module imports nothing that
@@ -27,6 +27,7 @@ from engine.errors import EngineError
 MAX_SPECULATIVE_TOKENS = 4
 MTP_HIDDEN = ("normed", "raw")
 QUANTIZATIONS = ("none", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 AUTO = "auto"  # the spelling of an unset (None) option in text
 
@@ -142,6 +143,13 @@ class CacheOptions(_Concern):
     block_size: int = _option("whole", 16, "positions per KV block", low=1, high=1024)
     max_prefixes: int = _option(
         "whole", 4, "shared prompt prefixes kept in the cache (a state slot each); 0: none", low=0, high=1024
+    )
+    kv_cache_dtype: str = _option(
+        "choice",
+        "auto",
+        "dtype of the attention layers' KV blocks: auto, the model's dtype; fp8, float8 e4m3 with an fp32 "
+        "scale per position and kv head (about twice the positions in the same memory)",
+        choices=KV_CACHE_DTYPES,
     )
 
 

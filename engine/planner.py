@@ -5,6 +5,8 @@ minus an estimate of the activations of the largest step (`step_tokens`: `max_nu
 lone prefill's `long_prefill_chunk`). Elsewhere it is `kv_cache_memory` bytes (default 2 GiB). Slots come
 first (every running sequence needs one, plus one per cached prefix and `k` verify scratch slots per
 sequence); the rest becomes KV blocks, capped at what `max_num_seqs` sequences of the full context could use.
+A block's bytes follow `kv_cache_dtype`: an FP8 block (e4m3 and its scales) is about half a bf16 one, so the
+same budget holds about twice the blocks, hence twice the context or twice the sequences.
 
 `max_num_seqs` left to the engine is sized from the same budget on CUDA (`affordable_seqs`) and fixed at
 `CPU_MAX_NUM_SEQS` elsewhere, so runs on the CPU stay deterministic.
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache import block_bytes, slot_bytes
+from engine.cache import block_bytes, kv_cache_dtype, slot_bytes
 from engine.config import ModelConfig
 from engine.errors import EngineError
 from engine.options import EngineOptions
@@ -127,6 +129,7 @@ def plan_for(
         num_mtp_layers=num_mtp_layers,
         block_size=cache.block_size,
         max_prefixes=cache.max_prefixes,
+        kv_dtype=kv_cache_dtype(cache.kv_cache_dtype, dtype),
     )
     if max_num_seqs is None:
         max_num_seqs = affordable_seqs(config, dtype, budget, **sizes)
@@ -145,9 +148,11 @@ def plan_cache(
     num_mtp_layers: int = 0,
     block_size: int = 16,
     max_prefixes: int = 4,
+    kv_dtype: torch.dtype | None = None,
 ) -> CachePlan:
+    """Slots and KV blocks (of `kv_dtype`, default `dtype`) for `max_num_seqs` sequences in the budget."""
     per_slot = slot_bytes(config, dtype)
-    per_block = block_bytes(config, dtype, block_size, num_mtp_layers)
+    per_block = block_bytes(config, kv_dtype or dtype, block_size, num_mtp_layers)
     slots = max_num_seqs + max_prefixes
     scratch = max_num_seqs * num_speculative_tokens
     left = budget_bytes - (slots + scratch) * per_slot
@@ -175,6 +180,7 @@ def affordable_seqs(
     block_size: int = 16,
     max_prefixes: int = 4,
     cap: int = MAX_AUTO_SEQS,
+    kv_dtype: torch.dtype | None = None,
 ) -> int:
     """`max_num_seqs` sized from the budget: as many sequences as fit with their state and verify scratch
     slots in STATE_SHARE of it, or more when the rest still holds each of them at `max_model_len` positions
@@ -182,7 +188,7 @@ def affordable_seqs(
     (a 1M-token context's 20 GiB) and fewer slots let them; at most `cap`, at least 1 (`plan_cache` then
     says when even that does not fit)."""
     per_slot = slot_bytes(config, dtype) * (1 + num_speculative_tokens)
-    per_block = block_bytes(config, dtype, block_size, num_mtp_layers)
+    per_block = block_bytes(config, kv_dtype or dtype, block_size, num_mtp_layers)
     per_seq_kv = -(-(max_model_len + 2 * num_speculative_tokens) // block_size) * per_block
     left = budget_bytes - max_prefixes * slot_bytes(config, dtype)
     by_share = int(STATE_SHARE * left) // per_slot if per_slot else cap

@@ -2,7 +2,7 @@
 
     python -m engine.bench [--preset qwen3.5-35b-a3b | --preset tiny | --model PATH]
         [--workloads a,b,c,d,e,f,g,h,i,j] [--quick] [--max-seconds S] [--device cuda] [--dtype bfloat16]
-        [--kv-cache-gib G] [--long-prompt 131072,262144,1M] [--json PATH]
+        [--kv-cache-gib G] [--kv-cache-dtype auto|fp8] [--long-prompt 131072,262144,1M] [--json PATH]
     enclave bench ...   (the same arguments)
 
 A preset builds the model with seeded random weights directly on the device (no checkpoint, no tokenizer:
@@ -61,7 +61,7 @@ from engine.env import engine_env
 from engine.errors import EngineError
 from engine.model.fp8_linear import quantize_model_
 from engine.model.model import CausalLM
-from engine.options import QUANTIZATIONS, EngineOptions
+from engine.options import KV_CACHE_DTYPES, QUANTIZATIONS, EngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         serve_kv_cache_bytes=None if device.type == "cuda" and not args.kv_cache_gib else kv_cache_bytes,
         warm_up=args.warm_up,
         long_prefill_chunk=args.long_prefill_chunk,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     bandwidth, matmul = measure_device(device, dtype, args.quick)
     say(f"building {args.model or args.preset} on {device} as {dtype}")
@@ -175,6 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model_type": config.model_type,
         "dtype": str(dtype).removeprefix("torch."),
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "geometry": geometry(config),
         "rope": f"{config.rope.rope_type} x{config.rope.factor:g}, window {config.max_model_len:,}",
         "params": param_summary(counts),
@@ -282,6 +284,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run each workload this many times in the same process (later runs: every kernel compiled)",
     )
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help=_doc("quantization"))
+    parser.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=_doc("kv_cache_dtype")
+    )
     parser.add_argument("--json", default=str(DEFAULT_JSON), help="write the results here ('' for none)")
     args = parser.parse_args(argv)
     if args.long_prefill_chunk is not None and args.long_prefill_chunk < 1:

@@ -14,6 +14,7 @@ from engine.async_core import build_core
 from engine.bench.device import sync, wall_time
 from engine.bench.settings import BLOCK_SIZE, WARMUP_STEPS, Settings, Sizes
 from engine.bench.traffic import ParamCounts, roofline, step_bytes
+from engine.cache import kv_cache_dtype
 from engine.config import ModelConfig
 from engine.core import EngineCore
 from engine.model.model import CausalLM
@@ -41,6 +42,11 @@ class Bench:
     bandwidth: float  # bytes/s
     matmul: float  # FLOP/s
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype (`--kv-cache-dtype`): the model's, or e4m3."""
+        return kv_cache_dtype(self.settings.kv_cache_dtype, self.dtype)
+
     def options(self, **flat: object) -> EngineOptions:
         """The run's engine options (its batch budget, BLOCK_SIZE, no shared prefixes), with `flat` set."""
         base = {
@@ -50,6 +56,7 @@ class Bench:
             "long_prefill_chunk": self.settings.long_prefill_chunk,
             "block_size": BLOCK_SIZE,
             "max_prefixes": 0,
+            "kv_cache_dtype": self.settings.kv_cache_dtype,
         }
         return EngineOptions.from_flat(base | flat)
 
@@ -207,6 +214,8 @@ def decode_point(
     run = b.decode(core, seqs, steps, deadline)
     point |= run
     if run["decode_steps"]:
-        bytes_ = step_bytes(b.counts, b.config, b.dtype, seqs=run["batch"], context=run["mean_context"])
+        bytes_ = step_bytes(
+            b.counts, b.config, b.dtype, seqs=run["batch"], context=run["mean_context"], kv_dtype=b.kv_dtype
+        )
         point |= roofline(bytes_, run["batch"], run["tokens_per_s"], b.bandwidth)
     return point

@@ -174,7 +174,7 @@ def served(b: Bench, shape: Served, max_num_seqs: int | None, kv_cache_bytes: in
     computed = stats.prompt_tokens + stats.generated_tokens
     if stats.steps and computed:
         # Estimate: each step reads the weights its tokens touch; each output token reads its context's KV.
-        kv_position = block_bytes(b.config, b.dtype, 1, 0)
+        kv_position = block_bytes(b.config, b.kv_dtype, 1, 0)
         bytes_ = StepBytes(
             weights=stats.steps * b.counts.active_bytes(computed / stats.steps, b.dtype.itemsize),
             kv=(stats.generated_tokens * (prompt_len + new / 2) + stats.prompt_tokens) * kv_position,

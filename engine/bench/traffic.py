@@ -135,12 +135,14 @@ def step_bytes(
     tokens_per_seq: int = 1,
     context: float = 0.0,
     state_writes: int = 1,
+    kv_dtype: torch.dtype | None = None,
 ) -> StepBytes:
     """One step of `seqs` sequences, each adding `tokens_per_seq` tokens after `context` cached positions:
     the weights those tokens touch, the KV of every position attended (read) or added (written), and each
-    sequence's DeltaNet state read once and written `state_writes` times (k+1 for an MTP verify step)."""
+    sequence's DeltaNet state read once and written `state_writes` times (k+1 for an MTP verify step). KV
+    positions are of `kv_dtype` (default `dtype`; an FP8 one's scales included)."""
     tokens = seqs * tokens_per_seq
-    kv_per_position = block_bytes(config, dtype, 1, 0)
+    kv_per_position = block_bytes(config, kv_dtype or dtype, 1, 0)
     return StepBytes(
         weights=counts.active_bytes(tokens, dtype.itemsize),
         kv=seqs * (context + tokens_per_seq) * kv_per_position,
@@ -149,7 +151,14 @@ def step_bytes(
 
 
 def prefill_bytes(
-    counts: ParamCounts, config: ModelConfig, dtype: torch.dtype, *, seqs: int, prompt_len: int, chunk: int
+    counts: ParamCounts,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    *,
+    seqs: int,
+    prompt_len: int,
+    chunk: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> StepBytes:
     """All of a prefill of `seqs` prompts in steps of at most `chunk` tokens (an estimate: each step reads
     the weights its tokens touch once; chunk j of a prompt reads the j * chunk positions before it)."""
@@ -160,7 +169,7 @@ def prefill_bytes(
     positions = seqs * (prompt_len + per_chunk * chunks * (chunks - 1) / 2)
     return StepBytes(
         weights=steps * counts.active_bytes(tokens / steps, dtype.itemsize),
-        kv=positions * block_bytes(config, dtype, 1, 0),
+        kv=positions * block_bytes(config, kv_dtype or dtype, 1, 0),
         state=seqs * chunks * 2 * slot_bytes(config, dtype),
     )
 

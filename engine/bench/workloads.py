@@ -86,7 +86,13 @@ def prefill(b: Bench) -> list[dict[str, Any]]:
             "capped": not done,
         }
         bytes_ = prefill_bytes(
-            b.counts, b.config, b.dtype, seqs=n, prompt_len=length, chunk=b.settings.max_num_batched_tokens
+            b.counts,
+            b.config,
+            b.dtype,
+            seqs=n,
+            prompt_len=length,
+            chunk=b.settings.max_num_batched_tokens,
+            kv_dtype=b.kv_dtype,
         )
         point |= roofline(bytes_, n * length, tokens_per_s, b.bandwidth)
         if spent:
@@ -146,7 +152,9 @@ def _long_context(b: Bench, length: int, wanted: int) -> list[dict[str, Any]]:
         point = {"prompt_len": length, "prefill_s": spent, "steps": steps, "tokens_per_s": tokens_per_s}
         point |= {"chunk": chunk, "capped": not done}
         point |= long_prefill_flops(b, length, spent)
-        bytes_ = prefill_bytes(b.counts, b.config, b.dtype, seqs=1, prompt_len=length, chunk=chunk)
+        bytes_ = prefill_bytes(
+            b.counts, b.config, b.dtype, seqs=1, prompt_len=length, chunk=chunk, kv_dtype=b.kv_dtype
+        )
         point["note"] = f"prefill {spent:.1f} s in {steps} steps" + ("" if done else " (time cap)")
         if spent:
             point["note"] += f"; {point['pct_of_matmul_rate']:.1f}% of the matrix rate"
@@ -161,7 +169,9 @@ def _long_context(b: Bench, length: int, wanted: int) -> list[dict[str, Any]]:
         run["prompt_len"] = length
         if run["decode_steps"]:
             # The roofline counts the KV cache each step reads (20 KiB a position on Qwen3.5/3.6 in bf16).
-            bytes_ = step_bytes(b.counts, b.config, b.dtype, seqs=1, context=run["mean_context"])
+            bytes_ = step_bytes(
+                b.counts, b.config, b.dtype, seqs=1, context=run["mean_context"], kv_dtype=b.kv_dtype
+            )
             run |= roofline(bytes_, 1, run["tokens_per_s"], b.bandwidth)
             run["note"] = f"{run['ms_per_step']:.1f} ms/step at context {run['mean_context']:,.0f}"
         return run
@@ -202,6 +212,7 @@ def mtp_verify(b: Bench) -> list[dict[str, Any]]:
                 tokens_per_seq=k + 1,
                 context=run["mean_context"],
                 state_writes=k + 1,
+                kv_dtype=b.kv_dtype,
             )
             run["step_bytes"] = bytes_.total
             tokens_per_step = run["decode_tokens"] / run["decode_steps"]

@@ -49,5 +49,5 @@ class GatedAttention(nn.Module):
         q, gate = qg[..., :d], qg[..., d:]  # [T, Hq, D] strided views, read in place
         k, v = k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
         q, k = kernels.qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
-        out = kernels.attention(q, k, v, kv.k, kv.v, layout, d**-0.5)  # [T, Hq, D]
+        out = kernels.attention(q, k, v, kv.k, kv.v, layout, d**-0.5, kv.k_scale, kv.v_scale)  # [T, Hq, D]
         return self.o_proj(kernels.sigmoid_gate(out, gate).reshape(t, self.num_heads * d))

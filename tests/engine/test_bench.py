@@ -61,6 +61,37 @@ def test_repeat_runs_each_workload_again_in_the_same_process(tmp_path):
     assert report["configuration"]["repeat"] == 2
 
 
+def test_fp8_kv_cache_runs_batch_decode_and_documents(tmp_path):
+    """--kv-cache-dtype fp8 reaches every workload's engine and the byte count (e4m3 plus scales)."""
+    path = tmp_path / "bench.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--quick", "--workloads", "b,d"]
+    assert bench.main([*argv, "--kv-cache-dtype", "fp8", "--max-seconds", "60", "--json", str(path)]) == 0
+
+    report = json.loads(path.read_text())
+    assert report["configuration"]["kv_cache_dtype"] == "fp8"
+    assert report["configuration"]["settings"]["kv_cache_dtype"] == "fp8"
+    points = report["workloads"]["b"] + report["workloads"]["d"]
+    assert points and not [p for p in points if "error" in p]
+    config = preset("tiny")
+    row = config.head_dim + 4  # e4m3 bytes and the fp32 scale of one (position, kv head)
+    per_position = (config.layer_types.count("full_attention")) * 2 * config.num_key_value_heads * row
+    b16 = report["workloads"]["b"][0]
+    kv = b16["bytes_per_token"]["kv"] * b16["batch"]  # one step's KV bytes over its batch's sequences
+    assert kv == pytest.approx(b16["batch"] * (b16["mean_context"] + 1) * per_position, rel=1e-6)
+
+
+def test_kv_accuracy_prints_the_table_and_writes_json(tmp_path, capsys):
+    from engine.bench import kv_accuracy
+
+    path = tmp_path / "kv.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--seqs", "2", "--prompt-len", "24", "--tokens", "8"]
+    assert kv_accuracy.main([*argv, "--json", str(path)]) == 0
+    assert "greedy agreement (teacher-forced)" in capsys.readouterr().out
+    report = json.loads(path.read_text())
+    assert report["tokens"] == 8 and report["seqs"] == 2 and len(report["first_divergence"]) == 2
+    assert 0.0 <= report["greedy_agreement"] <= 1.0 and report["max_logit_error"] >= 0.0
+
+
 def test_cli_passes_its_arguments_to_the_benchmark(monkeypatch, tmp_path):
     from pipeline import cli
 

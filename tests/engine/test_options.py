@@ -40,6 +40,7 @@ ENGINE_OPTIONS = {  # what Engine took as keywords before the options existed: e
     "device",
     "dtype",
     "quantization",
+    "kv_cache_dtype",  # issue 19
 }
 
 
@@ -71,12 +72,14 @@ def test_text_values_convert():
             "dtype": "BF16",
             "device": "cuda:1",
             "max_model_len": "auto",
+            "kv_cache_dtype": " FP8",
         }
     )
     assert options.serving.max_num_seqs == 64 and options.cache.gpu_memory_utilization == 0.5
     assert options.kernels.cuda_graphs is False and options.serving.async_scheduling is True
     assert options.load == LoadOptions(device="cuda:1", dtype="bf16", quantization="fp8")
     assert options.serving.max_model_len is None
+    assert options.cache.kv_cache_dtype == "fp8"
 
 
 def test_flat_round_trip_and_overrides_keep_the_rest():
@@ -106,6 +109,7 @@ def test_flat_round_trip_and_overrides_keep_the_rest():
         ({"cuda_graphs": "maybe"}, "ENCLAVE_CUDA_GRAPHS must be true or false, or auto, got 'maybe'"),
         ({"quantization": 8}, "ENCLAVE_QUANTIZATION must be one of none, fp8, got 8"),
         ({"mtp_hidden": "deep"}, "ENCLAVE_MTP_HIDDEN must be one of normed, raw"),
+        ({"kv_cache_dtype": "int8"}, "ENCLAVE_KV_CACHE_DTYPE must be one of auto, fp8, got 'int8'"),
         ({"num_speculative_tokens": MAX_SPECULATIVE_TOKENS + 1}, f"between 0 and {MAX_SPECULATIVE_TOKENS}"),
         ({"device": "the gpu"}, "ENCLAVE_DEVICE must be a device such as cuda"),
         ({"dtype": None}, "ENCLAVE_DTYPE must be one of auto, float32"),  # only unset-able options take None
@@ -116,6 +120,7 @@ def test_bad_values_are_one_line_naming_where_they_came_from(flat, needle):
     with pytest.raises(OptionError) as info:
         EngineOptions.from_flat(flat, source=lambda name: "ENCLAVE_" + name.upper())
     message = str(info.value)
+    # 400: an unknown option's message lists every known name, a list that grows with the options.
     assert needle in message and "\n" not in message and len(message) < 400, message
     assert isinstance(info.value, EngineError) and isinstance(info.value, ValueError)
 
@@ -129,6 +134,8 @@ def test_each_concern_checks_itself():
         ServingOptions(max_num_batched_tokens=0)
     with pytest.raises(OptionError, match=r"^mtp_hidden must be one of normed, raw"):
         SpeculationOptions(mtp_hidden="deep")
+    with pytest.raises(OptionError, match=r"^kv_cache_dtype must be one of auto, fp8, got 'e5m2'$"):
+        CacheOptions(kv_cache_dtype="e5m2")
     with pytest.raises(OptionError, match="engine options' cache must be a CacheOptions"):
         EngineOptions(cache=ServingOptions())
     assert LoadOptions(quantization=" FP8 ").quantization == "fp8"  # choices are normalised

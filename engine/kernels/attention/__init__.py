@@ -17,6 +17,8 @@ def attention(
     v_cache: torch.Tensor,
     layout: SeqLayout,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write each sequence's new keys/values into its blocks, then attend causally over all its positions.
 
@@ -26,7 +28,10 @@ def attention(
         k_cache, v_cache: [num_blocks, block_size, Hkv, D] paged caches; `layout.block_tables` maps positions.
         layout: where each sequence's tokens, context length and slot are.
         scale: softmax scale, usually D ** -0.5.
+        k_scale, v_scale: [num_blocks, block_size, Hkv] fp32 scales of an FP8 (e4m3) cache, None for a cache
+            in the model's dtype; new rows are quantised into the cache, cached rows dequantised on load
+            (`fp8_kv`).
     Returns:
         [T, Hq, D] in q's dtype.
     """
-    return dispatch.pick("attention", q)(q, k, v, k_cache, v_cache, layout, scale)
+    return dispatch.pick("attention", q)(q, k, v, k_cache, v_cache, layout, scale, k_scale, v_scale)

@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.attention import fp8_kv
 from engine.kernels.layout import SeqLayout
 
 
@@ -14,23 +15,33 @@ def attention(
     v_cache: torch.Tensor,
     layout: SeqLayout,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # q [T, Hq, D]; k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. New keys/values are written
     # at each sequence's positions context .. context+n-1, then its queries attend causally over all of them.
+    # An FP8 cache has scales [num_blocks, block_size, Hkv]: rows are quantised on write, dequantised on read.
     hkv, d = k_cache.shape[2], k_cache.shape[3]
+    fp8_kv.write(k, v, k_cache, v_cache, layout.slot_mapping(q.device), k_scale, v_scale)
     k_rows, v_rows = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
-    written = layout.slot_mapping(q.device)
-    k_rows[written] = k.to(k_rows.dtype)
-    v_rows[written] = v.to(v_rows.dtype)
+    scales = _rows(k_scale, hkv), _rows(v_scale, hkv)
     out = torch.empty_like(q)
     if layout.short_seqs:
-        _short(q, k_rows, v_rows, layout, scale, out)
-    long_sequences(q, k_rows, v_rows, layout, scale, out)
+        _short(q, k_rows, v_rows, layout, scale, out, scales)
+    long_sequences(q, k_rows, v_rows, layout, scale, out, scales)
     return out
 
 
-def long_sequences(q, k_rows, v_rows, layout: SeqLayout, scale: float, out: torch.Tensor) -> None:
-    """Each long sequence (a prefill chunk) on its own: SDPA over its gathered KV rows [num_blocks * bs]."""
+def _rows(scale: torch.Tensor | None, hkv: int) -> torch.Tensor | None:
+    return None if scale is None else scale.view(-1, hkv)  # [num_blocks * bs, Hkv]
+
+
+def long_sequences(
+    q, k_rows, v_rows, layout: SeqLayout, scale: float, out: torch.Tensor, scales=(None, None)
+) -> None:
+    """Each long sequence (a prefill chunk) on its own: SDPA over its gathered KV rows [num_blocks * bs];
+    `scales` are the FP8 cache's (k, v) scale rows [num_blocks * bs, Hkv], or None."""
+    ks, vs = scales
     for i in layout.long_seqs:
         start, n, ctx = layout.cu_seqlens[i], layout.query_lens[i], layout.context_lens[i]
         rows = layout.cached(
@@ -39,8 +50,8 @@ def long_sequences(q, k_rows, v_rows, layout: SeqLayout, scale: float, out: torc
             lambda lay, i=i, m=ctx + n: torch.tensor(lay.kv_index(list(range(m)), i)),
         )
         # 4-D [1, H, m, D]: torch's fused CPU kernel only takes the batched layout (3-D falls back to math).
-        keys = k_rows[rows].to(q.dtype).transpose(0, 1)[None]
-        values = v_rows[rows].to(q.dtype).transpose(0, 1)[None]
+        keys = _read(k_rows, ks, rows, q.dtype).transpose(0, 1)[None]
+        values = _read(v_rows, vs, rows, q.dtype).transpose(0, 1)[None]
         query = q[start : start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
         if ctx == 0:
             o = F.scaled_dot_product_attention(
@@ -75,16 +86,22 @@ def _short_index(layout: SeqLayout) -> tuple[torch.Tensor, ...]:
     return tokens, rows, allowed, valid, live
 
 
-def _short(q, k_rows, v_rows, layout: SeqLayout, scale: float, out: torch.Tensor) -> None:
+def _read(rows: torch.Tensor, scales: torch.Tensor | None, index: torch.Tensor, dtype) -> torch.Tensor:
+    """Cache rows at `index` in `dtype`, dequantised when the cache has scales."""
+    return fp8_kv.dequantize(rows[index], None if scales is None else scales[index], dtype)
+
+
+def _short(q, k_rows, v_rows, layout: SeqLayout, scale: float, out: torch.Tensor, scales) -> None:
     """Every short sequence (decode, MTP verify) in one padded SDPA call."""
+    ks, vs = scales
     key = ("attention_short", q.device)
     if key not in layout._tensors:
         layout._tensors[key] = tuple(t.to(q.device) for t in _short_index(layout))
     tokens, rows, allowed, valid, live = layout._tensors[key]
     hidden = ~valid[:, None, :, None]
     # Rows past a sequence's end hold stale data (NaN included): zero them, since 0 * NaN = NaN.
-    keys = k_rows[rows].to(q.dtype).transpose(1, 2).masked_fill(hidden, 0.0)  # [B, Hkv, m, D]
-    values = v_rows[rows].to(q.dtype).transpose(1, 2).masked_fill(hidden, 0.0)
+    keys = _read(k_rows, ks, rows, q.dtype).transpose(1, 2).masked_fill(hidden, 0.0)  # [B, Hkv, m, D]
+    values = _read(v_rows, vs, rows, q.dtype).transpose(1, 2).masked_fill(hidden, 0.0)
     query = q[tokens].transpose(1, 2)  # [B, Hq, n, D]
     o = F.scaled_dot_product_attention(
         query, keys, values, attn_mask=allowed[:, None], scale=scale, enable_gqa=True

@@ -9,6 +9,11 @@ covers one slice of the keys and writes a partial output and its log-sum-exp; a 
 Long path (varlen causal prefill): one program per (query head, tile of BLOCK_M new tokens of one long
 sequence); the tile's queries sit at positions ctx + j and see keys 0 .. ctx + j. Keys before the tile's
 first position are visible to every row and are read without the causal mask; the diagonal blocks with it.
+
+FP8 cache (`USE_KV_SCALE`): keys and values are e4m3 with an fp32 scale per (position, kv head) beside the
+pool (`fp8_kv`). A key tile is converted to q's dtype as stored (exact: e4m3 fits in bf16/fp16) and its
+scales multiply the score columns after the QK product; a value tile is dequantised (times its scales) before
+the PV product. The new rows are quantised by `fp8_kv.write` before either path reads them.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.env import engine_env
 from engine.kernels import dispatch
-from engine.kernels.attention import reference
+from engine.kernels.attention import fp8_kv, reference
 from engine.kernels.layout import SeqLayout
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
@@ -33,6 +39,9 @@ _SPLIT_MIN_KV = 512
 _MIN_KEYS_PER_SPLIT = 128
 _MAX_SPLITS = 128
 _LOG2E = 1.4426950408889634
+FP8_NEEDS_SM89 = "an FP8 KV cache needs sm_89 or later (Triton's e4m3 conversion)"
+_E4M3_MAX = tl.constexpr(fp8_kv.FP8_MAX)
+_SCALE_TINY = tl.constexpr(fp8_kv.SCALE_TINY)
 
 
 @triton.jit
@@ -40,6 +49,8 @@ def _paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,
+    k_scale_ptr,  # [num_blocks, block_size, Hkv] fp32, contiguous (USE_KV_SCALE only)
+    v_scale_ptr,
     out_ptr,  # [T, Hq, D], or [B, Hkv, NUM_SPLITS, BLOCK_M, D] fp32 partial outputs when USE_SPLIT
     lse_ptr,  # [B, Hkv, NUM_SPLITS, BLOCK_M] fp32 log2-sum-exp of each partial (USE_SPLIT only)
     block_tables_ptr,  # [B, max_blocks] int32, padded with 0
@@ -65,6 +76,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_KV_SCALE: tl.constexpr = False,  # an FP8 cache with per-(position, kv head) scales
     PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
     pdl_wait(PDL)
@@ -112,6 +124,10 @@ def _paged_attention_kernel(
         v = tl.load(v_cache_ptr + v_offs, mask=kv_mask, other=0.0).to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if USE_KV_SCALE:
+            row = (block * KV_BLOCK + offset) * tl.num_programs(1) + h  # [BLOCK_N] scale index
+            s = s * tl.load(k_scale_ptr + row, mask=kv_ok, other=0.0)[None, :]
+            v = (v.to(tl.float32) * tl.load(v_scale_ptr + row, mask=kv_ok, other=0.0)[:, None]).to(q.dtype)
         seen = (pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -134,6 +150,62 @@ def _paged_attention_kernel(
     else:
         o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _store_fp8_row(x_ptr, cache_ptr, scale_ptr, at, d, HEAD_DIM: tl.constexpr):
+    """Quantise one row [D] at x_ptr into the e4m3 cache's row `at` ([rows * Hkv, D] flat), its scale at
+    scale_ptr + at, as `fp8_kv.quantize` does (div_rn: its IEEE division, not the fast approximation)."""
+    d_ok = d < HEAD_DIM
+    x = tl.load(x_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), _E4M3_MAX), _SCALE_TINY)
+    q = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -_E4M3_MAX, _E4M3_MAX))
+    tl.store(cache_ptr + at * HEAD_DIM + d, q.to(cache_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(scale_ptr + at, scale)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (fp32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32: the cast after
+    it is exact, so the result (up to the sign of zero) does not hang on the cast's rounding (Triton's
+    interpreter rounds half up and can carry into the exponent: 126.8 -> 64)."""
+    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 |x|) for normal x
+    step_exp = tl.maximum(exponent, -6) - 3  # 3 mantissa bits; below 2^-6 the subnormals' fixed 2^-9
+    step = ((step_exp + 127) << 23).to(tl.float32, bitcast=True)  # 2^step_exp, exact
+    y = x / step  # exact: a power of two
+    r = tl.floor(y + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
+    r = tl.where(((r - y) == 0.5) & odd, r - 1.0, r)  # a tie rounded up to an odd value goes down
+    return r * step
+
+
+@triton.jit
+def _write_fp8_kv_kernel(
+    k_ptr,  # [T, Hkv, D] new keys, last dimension contiguous
+    v_ptr,
+    k_cache_ptr,  # [num_blocks * block_size, Hkv, D] e4m3, contiguous
+    v_cache_ptr,
+    k_scale_ptr,  # [num_blocks * block_size, Hkv] fp32
+    v_scale_ptr,
+    rows_ptr,  # [T] int64 flat cache row of each new token
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
+):
+    pdl_wait(PDL)
+    # One program per (new token, kv head): `fp8_kv.write` in one launch.
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    at = tl.load(rows_ptr + t).to(tl.int64) * NUM_KV_HEADS + h  # flat (row, kv head) index
+    d = tl.arange(0, BLOCK_D)
+    t64 = t.to(tl.int64)
+    _store_fp8_row(k_ptr + t64 * stride_kt + h * stride_kh, k_cache_ptr, k_scale_ptr, at, d, HEAD_DIM)
+    _store_fp8_row(v_ptr + t64 * stride_vt + h * stride_vh, v_cache_ptr, v_scale_ptr, at, d, HEAD_DIM)
 
 
 @triton.jit
@@ -181,7 +253,8 @@ def _merge_splits_kernel(
 
 @triton.jit
 def _prefill_block(
-    q,  # [BLOCK_M, BLOCK_D] queries of the tile
+    q,  # [BLOCK_M, BLOCK_D] queries of the tile (FP8_DOT: e4m3, times q_scale)
+    q_scale,  # [BLOCK_M] fp32 (FP8_DOT only)
     acc,  # [BLOCK_M, BLOCK_D] fp32 unnormalised output
     m_i,  # [BLOCK_M] fp32 running max (base 2)
     l_i,  # [BLOCK_M] fp32 running sum
@@ -191,6 +264,8 @@ def _prefill_block(
     table_ptr,  # this sequence's row of the block tables
     k_ptr,  # k_cache_ptr + kv head * stride_kh
     v_ptr,
+    ks_ptr,  # k_scale_ptr + kv head (USE_KV_SCALE only)
+    vs_ptr,
     stride_kb,
     stride_kr,
     stride_vb,
@@ -202,6 +277,10 @@ def _prefill_block(
     BLOCK_N: tl.constexpr,
     IS_DIAGONAL: tl.constexpr,  # some key of the block lies past some query row: apply the causal mask
     DOT_PRECISION: tl.constexpr,
+    USE_KV_SCALE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    FP8_DOT: tl.constexpr,  # e4m3 products (needs USE_KV_SCALE)
+    EXACT_E4M3: tl.constexpr,
 ):
     pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     kv_ok = pos < kv_len
@@ -211,11 +290,21 @@ def _prefill_block(
     # Rows past the sequence's end may hold NaN: masked loads give 0 there (0 * NaN would be NaN).
     kv_mask = kv_ok[:, None] & (d < HEAD_DIM)[None, :]
     k_offs = block[:, None] * stride_kb + offset[:, None] * stride_kr + d[None, :]
-    k = tl.load(k_ptr + k_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
     v_offs = block[:, None] * stride_vb + offset[:, None] * stride_vr + d[None, :]
-    v = tl.load(v_ptr + v_offs, mask=kv_mask, other=0.0).to(q.dtype)
-
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if FP8_DOT:
+        k = tl.load(k_ptr + k_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D] e4m3 as stored
+        v = tl.load(v_ptr + v_offs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * (q_scale * scale_log2)[:, None]  # [BLOCK_M, BLOCK_N]
+    else:
+        k = tl.load(k_ptr + k_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptr + v_offs, mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if USE_KV_SCALE:
+        row = (block * KV_BLOCK + offset) * NUM_KV_HEADS  # [BLOCK_N] scale index (the head is in ks_ptr)
+        s = s * tl.load(ks_ptr + row, mask=kv_ok, other=0.0)[None, :]
+        vs = tl.load(vs_ptr + row, mask=kv_ok, other=0.0)  # [BLOCK_N]
+        if not FP8_DOT:
+            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
     if IS_DIAGONAL:
         s = tl.where((pos[None, :] <= q_pos[:, None]) & kv_ok[None, :], s, float("-inf"))
     # Every row sees the first key of the first block it reads, so m stays finite.
@@ -223,8 +312,25 @@ def _prefill_block(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if FP8_DOT:
+        # P times the values' scales, quantised per row (one fp32 factor a row, e4m3's full range).
+        pv = p * vs[None, :]
+        pv_scale = tl.maximum(tl.max(pv, 1) / _E4M3_MAX, _SCALE_TINY)  # [BLOCK_M]
+        pv8 = _to_e4m3(pv / pv_scale[:, None], EXACT_E4M3)
+        acc = acc * alpha[:, None] + tl.dot(pv8, v) * pv_scale[:, None]
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _to_e4m3(x, EXACT_E4M3: tl.constexpr):
+    """x (fp32, |x| <= 448 up to rounding) as e4m3; EXACT_E4M3 rounds in fp32 first (the interpreter's
+    cast is faulty, see `_round_to_e4m3`; the GPU's cast rounds to nearest even, saturating, the same)."""
+    x = tl.clamp(x, -_E4M3_MAX, _E4M3_MAX)
+    if EXACT_E4M3:
+        x = _round_to_e4m3(x)
+    return x.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -232,6 +338,8 @@ def _prefill_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,
+    k_scale_ptr,  # [num_blocks, block_size, Hkv] fp32, contiguous (USE_KV_SCALE only)
+    v_scale_ptr,
     out_ptr,  # [T, Hq, D]
     block_tables_ptr,  # [B, max_blocks] int32 of the long sequences, padded with 0
     seq_info_ptr,  # [B, 3] int32: first token, new tokens, context length
@@ -255,6 +363,10 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_KV_SCALE: tl.constexpr = False,  # an FP8 cache with per-(position, kv head) scales
+    NUM_KV_HEADS: tl.constexpr = 1,
+    FP8_DOT: tl.constexpr = False,  # e4m3 QK and PV products: q and P quantised per row
+    EXACT_E4M3: tl.constexpr = False,  # round to e4m3 in fp32 before casts (the interpreter)
 ):
     # Heads vary fastest over the grid, so the query heads of one kv head read its key blocks close in time.
     head = tl.program_id(0)
@@ -275,10 +387,18 @@ def _prefill_attention_kernel(
     io_mask = row_ok[:, None] & d_ok[None, :]
     q_offs = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_offs, mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]; padding rows 0
+    if FP8_DOT:
+        qf = q.to(tl.float32)
+        q_scale = tl.maximum(tl.max(tl.abs(qf), 1) / _E4M3_MAX, _SCALE_TINY)  # [BLOCK_M]
+        q = _to_e4m3(qf / q_scale[:, None], EXACT_E4M3)
+    else:
+        q_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
 
     table_ptr = block_tables_ptr + b.to(tl.int64) * stride_bt
     k_ptr = k_cache_ptr + h * stride_kh
     v_ptr = v_cache_ptr + h * stride_vh
+    ks_ptr = k_scale_ptr + h
+    vs_ptr = v_scale_ptr + h
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -286,17 +406,19 @@ def _prefill_attention_kernel(
     full_end = (ctx + j0 + 1) // BLOCK_N * BLOCK_N
     for start in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _prefill_block(
-            q, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr,
+            q, q_scale, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             stride_kb, stride_kr, stride_vb, stride_vr, scale_log2,
-            KV_BLOCK, HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION,
+            KV_BLOCK, HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION, USE_KV_SCALE, NUM_KV_HEADS,
+            FP8_DOT, EXACT_E4M3,
         )  # fmt: skip
     # The rest, up to the tile's last position (padding rows past the sequence's end mask keys >= kv_len).
     diag_end = tl.minimum(kv_len, ctx + j0 + BLOCK_M)
     for start in range(full_end, diag_end, BLOCK_N):
         acc, m_i, l_i = _prefill_block(
-            q, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr,
+            q, q_scale, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             stride_kb, stride_kr, stride_vb, stride_vr, scale_log2,
-            KV_BLOCK, HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION,
+            KV_BLOCK, HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION, USE_KV_SCALE, NUM_KV_HEADS,
+            FP8_DOT, EXACT_E4M3,
         )  # fmt: skip
 
     o = acc / l_i[:, None]
@@ -312,9 +434,11 @@ def attention(
     v_cache: torch.Tensor,
     layout: SeqLayout,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Drop-in for `reference.attention`: write the new keys/values, then attend (see `paged_attention`)."""
-    return paged_attention(q, k, v, k_cache, v_cache, layout, scale)
+    return paged_attention(q, k, v, k_cache, v_cache, layout, scale, k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention(
@@ -328,6 +452,10 @@ def paged_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     block_m: int | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    fp8_products: bool | None = None,
 ) -> torch.Tensor:
     """`attention` with the tiling exposed: `num_splits` key slices per (short sequence, kv head) (None:
     chosen from the batch and context sizes; 1: no split), `block_n` keys per step (None: 64 on the short
@@ -336,30 +464,57 @@ def paged_attention(
     Args:
         q: [T, Hq, D] queries; k, v: [T, Hkv, D] new keys/values.
         k_cache, v_cache: [num_blocks, block_size, Hkv, D] contiguous paged caches, written in place.
+        k_scale, v_scale: [num_blocks, block_size, Hkv] contiguous fp32 scales of an FP8 cache, else None.
+        fp8_products: with an FP8 cache, run the prefill kernel's QK and PV products in e4m3 (queries and
+            softmax weights quantised per row); None: as ENCLAVE_FP8_ATTENTION says (default off).
         layout: the batch's sequences and block tables.
         scale: softmax scale.
     Returns:
         [T, Hq, D] in q's dtype.
     """
     hkv, d = k_cache.shape[2], k_cache.shape[3]
+    scales = (k_scale, v_scale) if k_scale is not None and v_scale is not None else None
+    if scales is not None and q.is_cuda and _capability(q.device.index or 0) < (8, 9):
+        # Triton converts e4m3 (fp8e4nv) only on sm_89 and later.
+        dispatch.fallback("attention", FP8_NEEDS_SM89, k_cache=k_cache)
+        return reference.attention(q, k, v, k_cache, v_cache, layout, scale, k_scale, v_scale)
     written = layout.slot_mapping(q.device)  # [T] flat cache row of each new token
-    k_cache.view(-1, hkv, d)[written] = k.to(k_cache.dtype)
-    v_cache.view(-1, hkv, d)[written] = v.to(v_cache.dtype)
+    if scales is None:
+        fp8_kv.write(k, v, k_cache, v_cache, written, None, None)
+    elif k.shape[0]:
+        write_fp8(k, v, k_cache, v_cache, k_scale, v_scale, written)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q = q if q.stride(-1) == 1 else q.contiguous()
     if layout.short_seqs:
-        _short(q, k_cache, v_cache, layout, scale, out, num_splits, block_n)
+        _short(q, k_cache, v_cache, scales, layout, scale, out, num_splits, block_n)
     if layout.long_seqs:
         if dispatch.prefill_kernels_enabled("attention", q=q):
-            _long(q, k_cache, v_cache, layout, scale, out, block_m, block_n)
+            if fp8_products is None:
+                fp8_products = engine_env().fp8_attention
+            fp8_dot = scales is not None and fp8_products
+            _long(q, k_cache, v_cache, scales, layout, scale, out, block_m, block_n, fp8_dot)
         else:
+            rows = [None if t is None else t.view(-1, hkv) for t in (k_scale, v_scale)]
             reference.long_sequences(
-                q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), layout, scale, out
+                q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), layout, scale, out, tuple(rows)
             )
     return out
 
 
-def _short(q, k_cache, v_cache, layout: SeqLayout, scale, out, num_splits, block_n) -> None:
+def write_fp8(k, v, k_cache, v_cache, k_scale, v_scale, written: torch.Tensor) -> None:
+    """`fp8_kv.write` in one launch: new keys/values [T, Hkv, D] quantised into the e4m3 caches at flat rows
+    `written` [T], their scales beside them."""
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    _write_fp8_kv_kernel[(k.shape[0], hkv)](
+        k, v, k_cache, v_cache, k_scale, v_scale, written, *k.stride()[:2], *v.stride()[:2],
+        NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 2,
+        **pdl_launch(),
+    )  # fmt: skip
+
+
+def _short(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, num_splits, block_n) -> None:
     """Every short sequence in one launch (plus the merge launch when the keys are split)."""
     seqs = layout.short_seqs
     num_seqs, hq, d = len(seqs), q.shape[1], q.shape[2]
@@ -387,9 +542,11 @@ def _short(q, k_cache, v_cache, layout: SeqLayout, scale, out, num_splits, block
         NUM_SPLITS=num_splits,
         USE_SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        USE_KV_SCALE=scales is not None,
         num_warps=8 if wide else 4,
         num_stages=2 if wide else 3,
     )
+    k_scale, v_scale = scales or (k_cache, v_cache)  # unread without scales
     if num_splits == 1:
         target, lse, target_strides = out, out, out.stride()[:2]
     else:
@@ -405,8 +562,9 @@ def _short(q, k_cache, v_cache, layout: SeqLayout, scale, out, num_splits, block
     )
     grid = (num_seqs, hkv, num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, target, lse, tables, info, scale * _LOG2E, *strides, **args, **pdl_launch()
-    )
+        q, k_cache, v_cache, k_scale, v_scale, target, lse, tables, info, scale * _LOG2E, *strides,
+        **args, **pdl_launch(),
+    )  # fmt: skip
     if num_splits == 1:
         return
     _merge_splits_kernel[(num_seqs, hkv, n_max * group)](
@@ -426,7 +584,7 @@ def _short(q, k_cache, v_cache, layout: SeqLayout, scale, out, num_splits, block
     )
 
 
-def _long(q, k_cache, v_cache, layout: SeqLayout, scale, out, block_m, block_n) -> None:
+def _long(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, block_n, fp8_dot) -> None:
     """Every long sequence (prefill chunk) in one launch over (query head, tile of new tokens)."""
     hq, d = q.shape[1], q.shape[2]
     block_d = triton.next_power_of_2(d)
@@ -445,10 +603,13 @@ def _long(q, k_cache, v_cache, layout: SeqLayout, scale, out, block_m, block_n) 
         *out.stride()[:2],
         tables.stride(0),
     )
+    k_scale, v_scale = scales or (k_cache, v_cache)  # unread without scales
     _prefill_attention_kernel[(hq, tiles.shape[0])](
         q,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         out,
         tables,
         info,
@@ -462,6 +623,10 @@ def _long(q, k_cache, v_cache, layout: SeqLayout, scale, out, block_m, block_n) 
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        USE_KV_SCALE=scales is not None,
+        NUM_KV_HEADS=k_cache.shape[2],
+        FP8_DOT=fp8_dot,
+        EXACT_E4M3=fp8_dot and engine_env().triton_interpret,
         num_warps=8 if block_m * block_d >= 64 * 256 else 4,
         num_stages=2,
     )
@@ -520,6 +685,11 @@ def _num_splits(num_programs: int, kv_max: int, device: torch.device) -> int:
     if num_programs >= target:
         return 1
     return max(1, min(triton.cdiv(target, num_programs), kv_max // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 @functools.cache

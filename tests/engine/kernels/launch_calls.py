@@ -67,15 +67,27 @@ def qkv_proj_out(t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor
     return qg.view(t, hq, 2 * d), k.view(t, hkv, d), v.view(t, hkv, d)
 
 
-def attention_call(dtype: torch.dtype, lay: SeqLayout) -> None:
+def attention_call(
+    dtype: torch.dtype, lay: SeqLayout, fp8_cache: bool = False, fp8_products: bool = False
+) -> None:
     c = qwen()
     t = lay.num_tokens
     _, _, v = qkv_proj_out(t, dtype)
     q = empty(t, c.num_attention_heads, c.head_dim, dtype=dtype)  # qk_norm_rotary's contiguous outputs
     k = empty(t, c.num_key_value_heads, c.head_dim, dtype=dtype)
     blocks = max(b for table in lay.block_tables for b in table) + 1
-    cache = [empty(blocks, KV_BLOCK, c.num_key_value_heads, c.head_dim, dtype=dtype) for _ in "kv"]
-    kernels.attention(q, k, v, *cache, lay, c.head_dim**-0.5)
+    shape = (blocks, KV_BLOCK, c.num_key_value_heads, c.head_dim)
+    cache = [empty(*shape, dtype=FP8 if fp8_cache else dtype) for _ in "kv"]
+    scales = [empty(*shape[:3], dtype=FP32) for _ in "kv"] if fp8_cache else [None, None]
+    if fp8_products:
+        from engine.kernels.attention import triton as attention_triton
+
+        k_scale, v_scale = scales
+        attention_triton.paged_attention(
+            q, k, v, *cache, lay, c.head_dim**-0.5, k_scale=k_scale, v_scale=v_scale, fp8_products=True
+        )
+        return
+    kernels.attention(q, k, v, *cache, lay, c.head_dim**-0.5, *scales)
 
 
 def attention() -> None:
@@ -95,6 +107,11 @@ def attention() -> None:
     # Long path (prefill chunks) beside a decode.
     for dtype in (BF16, FP32):
         attention_call(dtype, layout((100, 1), (0, 50)))
+    # An FP8 cache (e4m3 with scales): decode, a split verify, a prefill beside a decode; the prefill with
+    # e4m3 products too (ENCLAVE_FP8_ATTENTION=1).
+    for lens in (((1,), (100,)), ((4,), (4224,)), ((100, 1), (0, 50))):
+        attention_call(BF16, layout(*lens), fp8_cache=True)
+    attention_call(BF16, layout((100,), (50,)), fp8_cache=True, fp8_products=True)
 
 
 def qk_norm_rotary() -> None:
