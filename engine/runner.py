@@ -28,7 +28,9 @@ from engine.scheduler import NOTHING, Drafts, Sampled, ScheduledSeq, SchedulerOu
 from engine.sequence import PENDING, Sequence
 from engine.speculative import accept_greedy, accept_sampled
 
-# A test or benchmark may replace the MTP head as drafter: (sequence, how many) -> draft token ids.
+# A test or benchmark may replace the MTP head as drafter: (sequence, how many) -> draft token ids. One whose
+# `after_head` attribute is true lets the head draft first (its cost paid, its KV filled), then replaces its
+# tokens (a benchmark's controlled acceptance at the real drafting cost).
 Drafter = Callable[[Sequence, int], list[int]]
 
 
@@ -289,11 +291,9 @@ class ModelRunner:
             for i, item in enumerate(items)
             if item.samples and not item.seq.finished and self._draft_count(item.seq) > 0
         ]
-        if self.drafter is not None:
-            for i, item in wanting:
-                ids = self.drafter(item.seq, self._draft_count(item.seq))
-                proposed[i] = Drafts(tuple(ids)[: self.k])
-            return proposed
+        after_head = self.drafter is not None and getattr(self.drafter, "after_head", False)
+        if self.drafter is not None and not (after_head and self.model.mtp is not None):
+            return self._stand_in(wanting, proposed)
         if self.model.mtp is None:
             return proposed
         # Position p's MTP input pairs the main model's hidden state at p with the token at p + 1.
@@ -333,9 +333,20 @@ class ModelRunner:
             )
             token_ids = self._to_device(tokens)
             hidden = self.model.mtp_hidden(token_ids, hidden, step_layout, self.cache, step + 1)
+        if after_head:
+            return self._stand_in(wanting, proposed)
         for b, (i, item) in enumerate(wanting):
             q = None if item.seq.params.greedy else torch.stack(probs[b][: counts[b]])
             proposed[i] = Drafts(tuple(drafts[b][: counts[b]]), q)
+        return proposed
+
+    def _stand_in(
+        self, wanting: list[tuple[int, ScheduledSeq]], proposed: list[Drafts | None]
+    ) -> list[Drafts | None]:
+        """The drafter's tokens in place of the head's (a point mass each: no distribution)."""
+        for i, item in wanting:
+            ids = self.drafter(item.seq, self._draft_count(item.seq))
+            proposed[i] = Drafts(tuple(ids)[: self.k])
         return proposed
 
     def _draft_count(self, seq: Sequence) -> int:

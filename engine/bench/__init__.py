@@ -2,7 +2,7 @@
 
 settings (sizes, serving settings), presets (geometries, random weights, expert load), traffic (bytes per
 step, the roofline), device (bandwidth, matrix rate, timing), measure (one guarded measurement), harness
-(driving an engine core), workloads (a-f), serving ((d) and the vLLM-shaped h-j through Engine.submit),
+(driving an engine core), workloads (a-f), speculation (end to end with controlled acceptance), serving ((d) and the vLLM-shaped h-j through Engine.submit),
 transformers_ref (g), report (table, JSON), cli (arguments, the run)."""
 
 from engine.bench.cli import main

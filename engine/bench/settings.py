@@ -41,6 +41,7 @@ class Sizes:
     long_steps: int = 16
     verify_prompt: int = 512
     verify_steps: int = 32
+    speculative_new: int = 256  # (f)'s end-to-end runs with controlled acceptance; (b --speculative) too
     # (h)-(j): the shapes of vLLM's published H200 runs
     peer_h: Served = Served(1000, 1024, 128, 512)
     peer_i: Served = Served(100, 32000, 100)
@@ -61,6 +62,7 @@ QUICK = Sizes(
     long_steps=4,
     verify_prompt=64,
     verify_steps=8,
+    speculative_new=32,
     peer_h=Served(48, 128, 16, 16),
     peer_i=Served(6, 2048, 8),
     peer_j=Served(32, 64, 48, 8),
@@ -78,3 +80,4 @@ class Settings:
     seed: int
     serve_kv_cache_bytes: int | None = None  # of (h)-(j); None: the engine's own budget from free memory
     warm_up: bool | None = None  # the serving engines' warm_up option; None: the engine's default
+    speculative: bool = False  # (b) also decodes each batch with controlled-acceptance speculation

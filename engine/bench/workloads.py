@@ -1,5 +1,6 @@
-"""Workloads (a)-(f): single stream, batch decode, prefill, documents, long context and MTP verify (the last
-through `Engine.submit`, with the peer-shaped (h)-(j), in `serving`)."""
+"""Workloads (a)-(f): single stream, batch decode, prefill, documents, long context and MTP verify (the
+fourth through `Engine.submit`, with the peer-shaped (h)-(j), in `serving`; speculation end to end with
+controlled acceptance, in (f) and `--speculative` (b), in `speculation`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from engine.bench.harness import Bench, decode_point
 from engine.bench.measure import guarded
 from engine.bench.serving import documents, peer
 from engine.bench.settings import WARMUP_STEPS
+from engine.bench.speculation import speculative_points
 from engine.bench.traffic import prefill_bytes, roofline, step_bytes
 from engine.runner import Drafter
 from engine.sequence import Sequence
@@ -49,7 +51,12 @@ def batch_decode(b: Bench) -> list[dict[str, Any]]:
             point["note"] = f"{point['ms_per_step']:.1f} ms/step at context {point['mean_context']:.0f}"
         return point
 
-    return [guarded(f"batch {n}", lambda n=n: measure(n)) for n in s.batches]
+    points = []
+    for n in s.batches:
+        points.append(guarded(f"batch {n}", lambda n=n: measure(n)))
+        if b.settings.speculative:  # plain against speculative at each target AL, to the same tokens
+            points += speculative_points(b, n, s.batch_prompt, s.speculative_new, f"batch {n} e2e")
+    return points
 
 
 def prefill(b: Bench) -> list[dict[str, Any]]:
@@ -140,7 +147,8 @@ def repeat_last_drafter(seq: Sequence, count: int) -> list[int]:
 
 
 def mtp_verify(b: Bench) -> list[dict[str, Any]]:
-    """(f) batch-1 step time verifying k drafts (k+1 positions) against a plain decode step."""
+    """(f) batch-1 step time verifying k drafts (k+1 positions) against a plain decode step; then one
+    request decoded end to end plainly and with speculation at each target mean accepted length."""
     s = b.sizes
 
     def measure(k: int, drafter: Drafter | None) -> dict[str, Any]:
@@ -189,7 +197,7 @@ def mtp_verify(b: Bench) -> list[dict[str, Any]]:
         )
     if base_ms:
         plain["note"] = f"{base_ms:.1f} ms/step"
-    return points
+    return points + speculative_points(b, 1, s.verify_prompt, s.speculative_new, "e2e")
 
 
 RUNNERS: dict[str, tuple[str, Callable[[Bench], list[dict[str, Any]]]]] = {
