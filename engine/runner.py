@@ -26,6 +26,7 @@ from engine.processors import LogitsProcessors, needs_processing
 from engine.sampler import filtered_probs, logprob_entries, sample_rows, to_device
 from engine.scheduler import NOTHING, Drafts, Sampled, ScheduledSeq, SchedulerOutput
 from engine.sequence import PENDING, Sequence
+from engine.spec_policy import SpeculationPolicy
 from engine.speculative import accept_greedy, accept_sampled
 
 # A test or benchmark may replace the MTP head as drafter: (sequence, how many) -> draft token ids. One whose
@@ -75,6 +76,7 @@ class ModelRunner:
         drafter: Drafter | None = None,
         mtp_hidden: str = "normed",
         graphs: DecodeGraphs | None = None,
+        policy: SpeculationPolicy | None = None,
     ) -> None:
         self.mtp_hidden = mtp_hidden  # checked by SpeculationOptions
         self.model = model
@@ -85,6 +87,7 @@ class ModelRunner:
         self.drafter = drafter
         self.graphs = graphs  # CUDA graphs for decode and verify steps; None runs every step eagerly
         self.processors = LogitsProcessors(self.device)
+        self.policy = policy  # adaptive speculation: each step's k (at most `k`); None: always k
 
     @torch.inference_mode()
     def launch(
@@ -286,14 +289,20 @@ class ModelRunner:
         items, layout = launched.items, launched.layout
         accepted = [got.accepted for got in sampled]
         proposed: list[Drafts | None] = [None] * len(items)
-        wanting = [
+        if self.policy is not None:
+            for item, got in zip(items, sampled, strict=True):
+                if item.drafts and got.tokens:
+                    self.policy.observe(item.seq, len(item.drafts), got.accepted)
+        decoding = [
             (i, item)
             for i, item in enumerate(items)
-            if item.samples and not item.seq.finished and self._draft_count(item.seq) > 0
+            if item.samples and not item.seq.finished and self._draft_count(item.seq, self.k) > 0
         ]
+        k = self._step_k([item.seq for _, item in decoding])
+        wanting = decoding if k else []
         after_head = self.drafter is not None and getattr(self.drafter, "after_head", False)
         if self.drafter is not None and not (after_head and self.model.mtp is not None):
-            return self._stand_in(wanting, proposed)
+            return self._stand_in(wanting, proposed, k)
         if self.model.mtp is None:
             return proposed
         # Position p's MTP input pairs the main model's hidden state at p with the token at p + 1.
@@ -306,12 +315,13 @@ class ModelRunner:
         mtp_layout = SeqLayout(
             layout.query_lens, layout.context_lens, layout.slots, layout.block_tables, layout.block_size
         )
-        h = self.model.mtp_hidden(self._to_device(next_ids), launched.mtp_input, mtp_layout, self.cache)
-        if not wanting:
+        if not wanting:  # nothing to draft: only the head's K/V, so that later drafts read no holes
+            self.model.mtp_store_kv(self._to_device(next_ids), launched.mtp_input, mtp_layout, self.cache)
             return proposed
+        h = self.model.mtp_hidden(self._to_device(next_ids), launched.mtp_input, mtp_layout, self.cache)
         rows = [layout.cu_seqlens[i] + item.num_new - 1 + accepted[i] for i, item in wanting]
         seqs = [item.seq for _, item in wanting]
-        counts = [self._draft_count(s) for s in seqs]
+        counts = [self._draft_count(s, k) for s in seqs]
         positions = [item.context + item.num_new - 1 + accepted[i] for i, item in wanting]
         hidden = h[self._to_device(rows)]
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -334,27 +344,34 @@ class ModelRunner:
             token_ids = self._to_device(tokens)
             hidden = self.model.mtp_hidden(token_ids, hidden, step_layout, self.cache, step + 1)
         if after_head:
-            return self._stand_in(wanting, proposed)
+            return self._stand_in(wanting, proposed, k)
         for b, (i, item) in enumerate(wanting):
             q = None if item.seq.params.greedy else torch.stack(probs[b][: counts[b]])
             proposed[i] = Drafts(tuple(drafts[b][: counts[b]]), q)
         return proposed
 
     def _stand_in(
-        self, wanting: list[tuple[int, ScheduledSeq]], proposed: list[Drafts | None]
+        self, wanting: list[tuple[int, ScheduledSeq]], proposed: list[Drafts | None], k: int
     ) -> list[Drafts | None]:
         """The drafter's tokens in place of the head's (a point mass each: no distribution)."""
         for i, item in wanting:
-            ids = self.drafter(item.seq, self._draft_count(item.seq))
-            proposed[i] = Drafts(tuple(ids)[: self.k])
+            count = self._draft_count(item.seq, k)
+            proposed[i] = Drafts(tuple(self.drafter(item.seq, count))[:count])
         return proposed
 
-    def _draft_count(self, seq: Sequence) -> int:
+    def _step_k(self, seqs: list[Sequence]) -> int:
+        """The next step's drafts per sequence: k, or the policy's choice for these decoding sequences."""
+        if self.policy is None or not seqs:
+            return self.k if seqs else 0
+        return self.policy.choose(seqs, sum(s.num_tokens for s in seqs) / len(seqs))
+
+    @staticmethod
+    def _draft_count(seq: Sequence, k: int) -> int:
         """Drafts worth proposing: at most k, and fewer near max_tokens or the context limit."""
         left = seq.max_model_len - seq.num_tokens
         if seq.params.max_tokens is not None:
             left = min(left, seq.params.max_tokens - len(seq.output_ids))
-        return max(0, min(self.k, left - 1))
+        return max(0, min(k, left - 1))
 
     @staticmethod
     def _pick_drafts(

@@ -30,3 +30,13 @@ def attention(
         [T, Hq, D] in q's dtype.
     """
     return dispatch.pick("attention", q)(q, k, v, k_cache, v_cache, layout, scale)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: SeqLayout
+) -> None:
+    """Write new keys/values [T, Hkv, D] at the layout's positions, as `attention` does before attending."""
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    written = layout.slot_mapping(k.device)
+    k_cache.view(-1, hkv, d)[written] = k.to(k_cache.dtype)
+    v_cache.view(-1, hkv, d)[written] = v.to(v_cache.dtype)
