@@ -35,10 +35,10 @@ def async_wanted(
     mode: SpeculationMode | None = None,
 ) -> bool:
     """The `async_scheduling` option, or, left unset, on CUDA (on the CPU nothing runs beside the host)
-    unless ENCLAVE_ASYNC_SCHEDULING=0. Never with speculation (`mode`, else the options' own): drafting
-    needs the tokens at once."""
+    unless ENCLAVE_ASYNC_SCHEDULING=0. Never with a fixed k (`mode`, else the options' own): drafting needs
+    the tokens at once; adaptive speculation defers its steps at k = 0 and runs the others synchronously."""
     mode = mode or speculation_mode(options.speculation, drafter is not None, device)
-    if mode.k or drafter is not None:
+    if not mode.adaptive and (mode.k or drafter is not None):
         return False
     requested = options.serving.async_scheduling
     if requested is not None:

@@ -106,7 +106,7 @@ class ServingOptions(_Concern):
         "switch",
         None,
         "plan and launch each step before the previous step's tokens are read; unset: on cuda unless "
-        "ENCLAVE_ASYNC_SCHEDULING=0; true forces it (on the cpu too); never with speculation",
+        "ENCLAVE_ASYNC_SCHEDULING=0; true forces it (on the cpu too); never with a fixed speculative k",
     )
 
 

@@ -47,6 +47,11 @@ class Launched:
     tokens: torch.Tensor  # [rows] int64: each row's argmax or draw (drafts accepted later)
     mtp_input: torch.Tensor | None  # [T, H] the hidden states the MTP head reads (speculation only)
     raw_logits: torch.Tensor | None = None  # [rows, V] the model's own, kept for log-probs when changed
+    # Speculating, the drafts the step's sequences propose for the next step, chosen at launch for a step
+    # that verifies none (None: chosen in `draft`, after this step's acceptance is known); and whether the
+    # MTP head's K/V for the step's positions were queued at launch (next_k 0: the step may be deferred).
+    next_k: int | None = None
+    filled: bool = False
 
     def token_rows(self) -> list[int | None]:
         """Per item, its (first) row in `tokens`, or None when it samples nothing."""
@@ -125,13 +130,72 @@ class ModelRunner:
             # The host fills the grammar masks here, while the device runs the forward pass queued above.
             self.processors.apply(items, emit_rows, logits)
         tokens = self._tokens(items, emit_rows, logits)
-        return Launched(items, layout, emit_rows, logits, tokens, mtp_input, raw)
+        next_k, filled = None, False
+        if self.k and not any(item.drafts for item in items):
+            next_k = self._step_k([item.seq for item in self._decoding(items)])
+            if next_k == 0 and self._runs_head():
+                self._store_kv_ahead(items, layout, ids, tokens, emit_rows, mtp_input)
+                filled = True
+        return Launched(items, layout, emit_rows, logits, tokens, mtp_input, raw, next_k, filled)
+
+    def _runs_head(self) -> bool:
+        """Whether the MTP head runs (and keeps its cache): not when a drafter stands in for it entirely."""
+        after_head = self.drafter is None or getattr(self.drafter, "after_head", False)
+        return self.model.mtp is not None and after_head
+
+    def _store_kv_ahead(
+        self,
+        items: list[ScheduledSeq],
+        layout: SeqLayout,
+        ids: torch.Tensor,
+        tokens: torch.Tensor,
+        emit_rows: list[list[int]],
+        mtp_input: torch.Tensor,
+    ) -> None:
+        """Queue the MTP head's K/V for a step that verifies no drafts, pairing position p with token p + 1
+        on the device: the step's next input, or, at a sequence's last position, the token it samples now
+        (still on the device) or the next prompt token."""
+        next_ids = torch.cat((ids[1:], ids.new_zeros(1)))  # [T] the flat batch's next input ids
+        sampled_at, sampled_rows, known_at, known = [], [], [], []
+        offset = 0
+        for item, start, emitted in zip(items, layout.cu_seqlens[: len(items)], emit_rows, strict=True):
+            last = start + item.num_tokens - 1
+            if emitted:
+                sampled_at.append(last)
+                sampled_rows.append(offset)
+            else:
+                after = item.context + item.num_new
+                known_at.append(last)
+                known.append(max(item.seq.token_ids[after], 0) if after < item.seq.num_tokens else 0)
+            offset += len(emitted)
+        if sampled_at:
+            next_ids[self._to_device(sampled_at)] = tokens[self._to_device(sampled_rows)]
+        if known_at:
+            next_ids[self._to_device(known_at)] = self._to_device(known)
+        self.model.mtp_store_kv(next_ids, mtp_input, self._mtp_layout(layout), self.cache)
+
+    @staticmethod
+    def _mtp_layout(layout: SeqLayout) -> SeqLayout:
+        """The step's layout without its verify states: the MTP head has only attention."""
+        return SeqLayout(
+            layout.query_lens, layout.context_lens, layout.slots, layout.block_tables, layout.block_size
+        )
+
+    def _decoding(self, items: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """The step's sequences that will propose drafts for the next step (if its k is above 0)."""
+        return [
+            item
+            for item in items
+            if item.samples and not item.seq.finished and self._draft_count(item.seq, self.k) > 0
+        ]
 
     def deferrable(self, launched: Launched) -> bool:
-        """Whether the step's tokens can wait on the device: not with drafts to verify or propose, nor with
-        log-probabilities to compute from its logits, nor when a request's next logits depend on its tokens
-        on the host (penalties, a grammar)."""
-        if self.k or self.drafter is not None:
+        """Whether the step's tokens can wait on the device: not with drafts to verify or propose (adaptive
+        speculation defers its steps at k = 0), nor with log-probabilities to compute from its logits, nor
+        when a request's next logits depend on its tokens on the host (penalties, a grammar)."""
+        if self.policy is None and (self.k or self.drafter is not None):
+            return False
+        if self.policy is not None and launched.next_k != 0:  # drafts to verify or to propose
             return False
         return all(
             item.seq.params.logprobs is None and not needs_processing(item.seq)
@@ -258,6 +322,8 @@ class ModelRunner:
             else:
                 tokens = [argmax[block.start]]  # drawn on the device by _tokens
             kept = len(tokens) - 1
+            if drafts and self.policy is not None:
+                self.policy.observe(seq, len(drafts), kept)
             if drafts and kept < len(drafts):
                 # The state after the last accepted input is the verify step's kept[th] position.
                 commits.append((launched.layout.state_out[index][kept], seq.slot))
@@ -289,16 +355,13 @@ class ModelRunner:
         items, layout = launched.items, launched.layout
         accepted = [got.accepted for got in sampled]
         proposed: list[Drafts | None] = [None] * len(items)
-        if self.policy is not None:
-            for item, got in zip(items, sampled, strict=True):
-                if item.drafts and got.tokens:
-                    self.policy.observe(item.seq, len(item.drafts), got.accepted)
-        decoding = [
-            (i, item)
-            for i, item in enumerate(items)
-            if item.samples and not item.seq.finished and self._draft_count(item.seq, self.k) > 0
-        ]
-        k = self._step_k([item.seq for _, item in decoding])
+        if launched.filled:  # k = 0, the head's K/V queued at launch
+            return proposed
+        will = {id(item) for item in self._decoding(items)}
+        decoding = [(i, item) for i, item in enumerate(items) if id(item) in will]
+        k = launched.next_k
+        if k is None:  # a verify step: chosen now that its acceptance is known
+            k = self._step_k([item.seq for _, item in decoding])
         wanting = decoding if k else []
         after_head = self.drafter is not None and getattr(self.drafter, "after_head", False)
         if self.drafter is not None and not (after_head and self.model.mtp is not None):
@@ -312,9 +375,7 @@ class ModelRunner:
             for j in range(item.num_tokens):
                 p = item.context + j + 1
                 next_ids.append(tokens[p] if p < len(tokens) else 0)  # past the accepted run: rewritten later
-        mtp_layout = SeqLayout(
-            layout.query_lens, layout.context_lens, layout.slots, layout.block_tables, layout.block_size
-        )
+        mtp_layout = self._mtp_layout(layout)
         if not wanting:  # nothing to draft: only the head's K/V, so that later drafts read no holes
             self.model.mtp_store_kv(self._to_device(next_ids), launched.mtp_input, mtp_layout, self.cache)
             return proposed
@@ -324,13 +385,12 @@ class ModelRunner:
         counts = [self._draft_count(s, k) for s in seqs]
         positions = [item.context + item.num_new - 1 + accepted[i] for i, item in wanting]
         hidden = h[self._to_device(rows)]
-        drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        steps: list[torch.Tensor] = []  # [B] per draft step: each feeds the next on the device
         for step in range(max(counts)):
             logits = self.model.logits(hidden)
             tokens = self._pick_drafts(seqs, logits, probs)
-            for b, t in enumerate(tokens):
-                drafts[b].append(t)
+            steps.append(tokens)
             if step + 1 == max(counts):
                 break
             # The next draft: the head's own output with the draft just made, one position further.
@@ -341,8 +401,8 @@ class ModelRunner:
                 tuple(tuple(s.blocks) for s in seqs),
                 self.cache.block_size,
             )
-            token_ids = self._to_device(tokens)
-            hidden = self.model.mtp_hidden(token_ids, hidden, step_layout, self.cache, step + 1)
+            hidden = self.model.mtp_hidden(tokens, hidden, step_layout, self.cache, step + 1)
+        drafts = torch.stack(steps, dim=1).tolist()  # [B, k]: the host reads every draft once, at the end
         if after_head:
             return self._stand_in(wanting, proposed, k)
         for b, (i, item) in enumerate(wanting):
@@ -376,12 +436,14 @@ class ModelRunner:
     @staticmethod
     def _pick_drafts(
         seqs: list[Sequence], logits: torch.Tensor, probs: list[list[torch.Tensor]]
-    ) -> list[int]:
-        tokens = logits.argmax(-1).tolist()
+    ) -> torch.Tensor:
+        """One draft per sequence, on the device [B] (nothing read by the host): the argmax, or for a sampled
+        request a draw from its filtered distribution, kept in `probs` for rejection sampling."""
+        tokens = logits.argmax(-1)
         for b, seq in enumerate(seqs):
             if not seq.params.greedy:
                 q = filtered_probs(logits[b], seq.params)
-                tokens[b] = int(torch.multinomial(q, 1, generator=seq.generator)[0])
+                tokens[b] = torch.multinomial(q, 1, generator=seq.generator)[0]
                 probs[b].append(q)
         return tokens
 

@@ -20,13 +20,7 @@ from engine.bench.measure import guarded
 from engine.bench.settings import WARMUP_STEPS
 from engine.core import EngineCore
 from engine.sequence import Sequence
-
-TARGETS: tuple[tuple[int, float], ...] = ((1, 1.8), (2, 2.4), (3, 3.39))  # (k, mean accepted length)
-
-
-def expected_length(p: float, k: int) -> float:
-    """Tokens per verify step when each of k drafts is right with probability p: sum_{i=0..k} p^i."""
-    return sum(p**i for i in range(k + 1))
+from engine.spec_policy import ADAPTIVE_MAX_K, expected_length
 
 
 def acceptance_for(length: float, k: int) -> float:
@@ -38,6 +32,12 @@ def acceptance_for(length: float, k: int) -> float:
         mid = (low + high) / 2
         low, high = (mid, high) if expected_length(mid, k) < length else (low, mid)
     return (low + high) / 2
+
+
+TARGETS: tuple[tuple[int, float], ...] = ((1, 1.8), (2, 2.4), (3, 3.39))  # (k, mean accepted length)
+# Adaptive speculation (k chosen per step, at most ADAPTIVE_MAX_K) with drafts that are always wrong (AL 1.0:
+# it must not be slower than plain) and right as often as at the k = 3 target.
+ADAPTIVE: tuple[tuple[str, float], ...] = (("AL 1.0", 0.0), ("AL 3.39 at k=3", acceptance_for(3.39, 3)))
 
 
 class ControlledDrafter:
@@ -120,15 +120,19 @@ def speculative_points(b: Bench, batch: int, prompt_len: int, new: int, label: s
             point["note"] = f"{point['tokens_per_s']:.1f} tok/s, {point['ms_per_step']:.2f} ms/step"
         return point
 
-    def speculative(k: int, target: float) -> dict[str, Any]:
+    def speculative(k: int, target: float | None, p: float | None = None) -> dict[str, Any]:
         if not state.get("tokens_per_s"):
             return {"skipped": "the plain run did not finish"}
-        p = acceptance_for(target, k)
+        adaptive = target is None
+        p = acceptance_for(target, k) if p is None else p
         drafter = ControlledDrafter(state["truth"], p, b.config.vocab_size, b.settings.seed)
-        core = b.core(batch, max_len + k, k, drafter)
+        core = b.core(batch, max_len + k, k, drafter, adaptive=adaptive)
         seqs = b.add(core, batch, prompt_len, new, max_len + k)
-        point = {"batch": batch, "k": k, "p": p, "target_accepted_length": target}
+        point = {"batch": batch, "k": k, "p": p, "adaptive": adaptive}
+        point["target_accepted_length"] = expected_length(p, k) if adaptive else target
         point |= run_to_end(b, core, seqs, b.deadline())
+        policy = core.runner.policy
+        point["k_chosen"] = dict(sorted(policy.chosen.items())) if policy is not None else None
         point["mean_accepted_length"] = accepted_length(seqs)
         # Greedy verification keeps exactly the leading right drafts (when the step's budget held them all).
         point["accepted_drafts"] = sum(n for s in seqs for n in s.metrics.accepted_lengths)
@@ -137,9 +141,12 @@ def speculative_points(b: Bench, batch: int, prompt_len: int, new: int, label: s
         point["mtp_head_drafts"] = b.model.mtp is not None  # its drafting cost is in the step time
         if point.get("tokens_per_s"):
             point["speedup_vs_plain"] = point["tokens_per_s"] / state["tokens_per_s"]
+            length = point["mean_accepted_length"]
             point["note"] = (
-                f"AL {point['mean_accepted_length']:.2f} (target {target}); {point['tokens_per_s']:.1f} "
-                f"tok/s, {point['speedup_vs_plain']:.2f}x plain"
+                (f"AL {length:.2f}" if length else "no verify step")
+                + ("" if adaptive else f" (target {target})")
+                + (f", k chosen {point['k_chosen']}" if adaptive else "")
+                + f"; {point['tokens_per_s']:.1f} tok/s, {point['speedup_vs_plain']:.2f}x plain"
                 + ("" if point["matches_plain"] else "; OUTPUT DIFFERS FROM PLAIN")
             )
         return point
@@ -147,4 +154,6 @@ def speculative_points(b: Bench, batch: int, prompt_len: int, new: int, label: s
     points = [guarded(f"{label} plain", plain)]
     for k, target in TARGETS:
         points.append(guarded(f"{label} AL {target} k={k}", lambda k=k, t=target: speculative(k, t)))
+    for name, p in ADAPTIVE:
+        points.append(guarded(f"{label} adaptive {name}", lambda p=p: speculative(ADAPTIVE_MAX_K, None, p)))
     return points

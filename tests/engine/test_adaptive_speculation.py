@@ -6,8 +6,11 @@ at k = 0 steps, so that its later drafts equal those of a run that drafted every
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 
 import pytest
+import torch
 
 from engine import SamplingParams
 from engine.env import reset_engine_env
@@ -127,8 +130,18 @@ def head_drafts(e, prompt, params) -> tuple[list[int], dict[int, tuple[int, ...]
     return e.generate([prompt], params)[0].token_ids, seen
 
 
-@pytest.mark.parametrize("fill", [True, False])
-def test_k0_steps_keep_the_heads_cache_whole(adaptive, mtp_dir, monkeypatch, fill):
+def test_k0_steps_run_asynchronously_and_equal_plain(adaptive, mtp_dir, reference):
+    prompts, expected = reference
+    with engine(mtp_dir, async_scheduling=True, max_num_batched_tokens=16) as e:
+        assert e.core.async_scheduling
+        outs = e.generate(prompts, GREEDY)
+        assert tokens(outs) == expected
+        assert e.core.deferred_steps > 0 and e.stats().draft_tokens > 0  # both kinds of step ran
+        assert chosen(e).get(0, 0) > 0
+
+
+@pytest.mark.parametrize(("fill", "asynchronous"), [(True, False), (True, True), (False, False)])
+def test_k0_steps_keep_the_heads_cache_whole(adaptive, mtp_dir, monkeypatch, fill, asynchronous):
     prompt = prompts_for(mtp_dir, count=1, lengths=(21,))[0]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     monkeypatch.setenv("ENCLAVE_SPECULATION", "fixed")
@@ -140,9 +153,10 @@ def test_k0_steps_keep_the_heads_cache_whole(adaptive, mtp_dir, monkeypatch, fil
     reset_engine_env()
     if not fill:  # the negative control: k = 0 steps leave holes in the head's cache
         monkeypatch.setattr(CausalLM, "mtp_store_kv", lambda *args: None)
-    with engine(mtp_dir, num_speculative_tokens=2) as e:
+    with engine(mtp_dir, num_speculative_tokens=2, async_scheduling=asynchronous) as e:
         e.core.runner.policy = Scripted([2, 0, 0, 2, 0, 0, 0, 2])
         got_tokens, some_steps = head_drafts(e, prompt, params)
+        assert (e.core.deferred_steps > 0) == asynchronous  # k = 0 steps' K/V queued on the device
     assert got_tokens == plain_tokens  # verification keeps outputs equal either way
     shared = sorted(set(every_step) & set(some_steps))
     assert len(shared) >= 5
@@ -151,3 +165,36 @@ def test_k0_steps_keep_the_heads_cache_whole(adaptive, mtp_dir, monkeypatch, fil
         assert all(same), (shared, same)
     else:
         assert not all(same)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_drafting_reads_the_drafts_once_per_step(mtp_dir, reference, monkeypatch, temperature):
+    """The head's k drafts stay on the device from one draft step to the next: one host read per step (it
+    was one per draft), and greedy outputs still equal plain ones."""
+    prompts, expected = reference
+    params = SamplingParams(max_tokens=14, temperature=temperature, seed=3, ignore_eos=True)
+    reads: list[int] = []
+    tolist = torch.Tensor.tolist
+
+    def counted(self):
+        # The runner's own reads (the CPU's reference kernels read routing on the host too).
+        reads[-1] += sys._getframe(1).f_code.co_filename.endswith(os.path.join("engine", "runner.py"))
+        return tolist(self)
+
+    with engine(mtp_dir, num_speculative_tokens=3) as e:
+        draft = e.core.runner.draft
+
+        def drafting(launched, sampled):
+            reads.append(0)
+            monkeypatch.setattr(torch.Tensor, "tolist", counted)
+            try:
+                return draft(launched, sampled)
+            finally:
+                monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+
+        e.core.runner.draft = drafting
+        outs = e.generate(prompts, params)
+    if temperature == 0:
+        assert tokens(outs) == expected
+    assert e.stats().draft_tokens > 0
+    assert reads and max(reads) == 1, reads

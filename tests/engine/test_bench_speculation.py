@@ -66,6 +66,7 @@ def test_end_to_end_speculation_hits_the_target_lengths_and_equals_plain(tiny_be
     new = 160
     points = speculative_points(tiny_bench, 1, 16, new, "e2e")
     plain, *spec = points
+    spec, adaptive = spec[: len(TARGETS)], spec[len(TARGETS) :]
     assert "error" not in plain and not plain["capped"]
     assert plain["decode_tokens"] == new - 1 - WARMUP_STEPS  # the first token from the prefill, then untimed
     assert [(p["k"], p["target_accepted_length"]) for p in spec] == list(TARGETS)
@@ -82,3 +83,9 @@ def test_end_to_end_speculation_hits_the_target_lengths_and_equals_plain(tiny_be
         sd = math.sqrt((second - mean**2) / steps)
         # 4 sd, plus the last steps' fewer drafts near max_tokens.
         assert abs(point["mean_accepted_length"] - point["target_accepted_length"]) < 4 * sd + 0.05, point
+    wrong, right = adaptive
+    for point in adaptive:
+        assert "error" not in point and point["adaptive"] and point["matches_plain"], point
+    # Always-wrong drafts: after the prior's first steps the policy stops drafting.
+    assert wrong["k_chosen"].get(0, 0) > sum(n for k, n in wrong["k_chosen"].items() if k), wrong
+    assert right["mean_accepted_length"] > 2.0 and max(right["k_chosen"]) == 3, right
