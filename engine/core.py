@@ -137,6 +137,8 @@ class EngineCore:
         self.draft_tokens = self.accepted_tokens = self.aborted = 0
         self.busy_s = 0.0
         self.scheduler.num_preemptions = 0
+        if self.runner.policy is not None:
+            self.runner.policy.reset()
 
     def step(self) -> list[Sequence]:
         """Run one step; return the requests that finished in it."""

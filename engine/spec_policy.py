@@ -84,6 +84,12 @@ class SpeculationPolicy:
         self.probing = False  # the last choice was a probe
         self.chosen: dict[int, int] = {}  # how often each k was chosen (for stats and tests)
 
+    def reset(self) -> None:
+        """Forget every estimate and count (after the start-up warm-up's synthetic requests)."""
+        self._acceptance.clear()
+        self.idle_steps, self.probe_after, self.probing = 0, PROBE_FIRST, False
+        self.chosen.clear()
+
     def observe(self, seq: Hashable, offered: int, kept: int) -> None:
         """A verify step offered `offered` drafts for `seq` and kept `kept`."""
         self._acceptance.setdefault(seq, Acceptance()).observe(offered, kept)

@@ -178,3 +178,14 @@ def test_speculation_mode(monkeypatch, n, env, device, has_head, expected):
     reset_engine_env()
     got = speculation_mode(SpeculationOptions(num_speculative_tokens=n), has_head, torch.device(device))
     assert got == expected
+
+
+def test_reset_forgets_estimates_and_counts(full):
+    policy = SpeculationPolicy(cost(full[0]), 3)
+    seq = Seq()
+    for _ in range(40):
+        policy.observe(seq, 2, 0)
+        policy.choose([seq], 100)
+    assert policy.rate(seq) < 0.2 and policy.chosen and policy.idle_steps
+    policy.reset()
+    assert policy.rate(seq) == PRIOR and not policy.chosen and policy.idle_steps == 0
