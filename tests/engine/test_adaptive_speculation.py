@@ -146,14 +146,15 @@ def test_k0_steps_keep_the_heads_cache_whole(adaptive, mtp_dir, monkeypatch, fil
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     monkeypatch.setenv("ENCLAVE_SPECULATION", "fixed")
     reset_engine_env()
-    with engine(mtp_dir, num_speculative_tokens=2) as fixed:
+    chunked = dict(max_num_batched_tokens=8)  # prompt chunks: the head's K/V pair a chunk's end with the next
+    with engine(mtp_dir, num_speculative_tokens=2, **chunked) as fixed:
         assert not fixed.adaptive_speculation
         plain_tokens, every_step = head_drafts(fixed, prompt, params)
     monkeypatch.setenv("ENCLAVE_SPECULATION", "adaptive")
     reset_engine_env()
     if not fill:  # the negative control: k = 0 steps leave holes in the head's cache
         monkeypatch.setattr(CausalLM, "mtp_store_kv", lambda *args: None)
-    with engine(mtp_dir, num_speculative_tokens=2, async_scheduling=asynchronous) as e:
+    with engine(mtp_dir, num_speculative_tokens=2, async_scheduling=asynchronous, **chunked) as e:
         e.core.runner.policy = Scripted([2, 0, 0, 2, 0, 0, 0, 2])
         got_tokens, some_steps = head_drafts(e, prompt, params)
         assert (e.core.deferred_steps > 0) == asynchronous  # k = 0 steps' K/V queued on the device

@@ -19,6 +19,7 @@ import torch
 
 import engine.runner
 from engine import Engine, SamplingParams
+from engine.env import reset_engine_env
 from tests.engine.factories import add_mtp, save_text_model
 
 TOP_K = 3
@@ -116,14 +117,17 @@ def draws(path, **options) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("how", ["plain", "mtp head", "fixed drafter"])
-def test_sampled_tokens_follow_the_target_distribution(setup, how):
+@pytest.mark.parametrize("how", ["plain", "mtp head", "fixed drafter", "adaptive fixed drafter"])
+def test_sampled_tokens_follow_the_target_distribution(setup, how, monkeypatch):
     path, top = setup
     options = {}
     if how != "plain":
         options["num_speculative_tokens"] = 2
-    if how == "fixed drafter":
+    if how.endswith("fixed drafter"):
         options["drafter"] = RankDrafter(top)
+    if how.startswith("adaptive"):  # each step's k chosen (1 or 2 here: the drafts are often right)
+        monkeypatch.setenv("ENCLAVE_SPECULATION", "adaptive")
+        reset_engine_env()
     stat, df = chi_square(draws(path, **options), top)
     print(f"{how}: chi2 {stat:.1f}, df {df}, critical {chi_square_critical(df):.1f}")
     assert stat < chi_square_critical(df), (stat, df)
