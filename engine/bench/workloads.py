@@ -197,6 +197,12 @@ def mtp_verify(b: Bench) -> list[dict[str, Any]]:
         )
     if base_ms:
         plain["note"] = f"{base_ms:.1f} ms/step"
+    by_label = {point["label"]: point for point in points}
+    for k in (1, 2, 3):  # the MTP head's drafting alone: an MTP step less a verify step of the same k
+        mtp, verify = by_label.get(f"MTP step k={k}", {}), by_label.get(f"verify k={k}", {})
+        if mtp.get("ms_per_step") and verify.get("ms_per_step"):
+            mtp["drafting_ms_per_step"] = mtp["ms_per_step"] - verify["ms_per_step"]
+            mtp["note"] += f"; drafting {mtp['drafting_ms_per_step']:.2f} ms"
     return points + speculative_points(b, 1, s.verify_prompt, s.speculative_new, "e2e")
 
 

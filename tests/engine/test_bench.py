@@ -42,6 +42,7 @@ def test_tiny_quick_run_writes_the_report(tmp_path):
     for k in (1, 2, 3):
         assert verify[f"verify k={k}"]["ratio_vs_plain"] > 0
         assert verify[f"MTP step k={k}"]["ratio_vs_plain"] > 0  # the tiny preset has an MTP head
+        assert "drafting_ms_per_step" in verify[f"MTP step k={k}"]
     assert verify["e2e plain"]["tokens_per_s"] > 0
     for k, length in ((1, 1.8), (2, 2.4), (3, 3.39)):
         point = verify[f"e2e AL {length} k={k}"]
