@@ -2,9 +2,9 @@
 the step-cost model (`engine/spec_cost.py`); 0 when speculating does not pay.
 
 Each request keeps a running estimate of its per-position acceptance a (an EWMA of kept drafts over drafts
-tried, pulled toward a prior until it has evidence). With k drafts a verify step emits sum_{i=0..k} a^i of
-its tokens; the policy picks the k that emits the most tokens per second for the step's batch, and k = 0
-unless some k > 0 beats it by `MARGIN`. A step at k = 0 teaches nothing about acceptance, so after
+tried, pulled toward a prior until it has evidence: all requests' recent acceptance, 0.6 before any). With
+k drafts a verify step emits sum_{i=0..k} a^i of its tokens; the policy picks the k that emits the most
+tokens per second for the step's batch, and k = 0 unless some k > 0 beats it by `MARGIN`. A step at k = 0 teaches nothing about acceptance, so after
 `PROBE_FIRST` such steps in a row one step probes at k = 1 (the wait doubles after each probe that does not
 pay, up to `PROBE_MAX`). Where the mode comes from: `speculation_mode`.
 """
@@ -25,6 +25,7 @@ ADAPTIVE_MAX_K = 3  # most drafts per step when the options leave k to the polic
 PRIOR = 0.6  # per-position acceptance assumed before a request's first verify step
 PRIOR_WEIGHT = 2.0  # ... worth this many drafts tried
 DECAY = 0.9  # weight of the evidence so far at each new verify step: about the last 10 steps count
+GLOBAL_DECAY = 0.99  # ... of all requests' evidence, a new request's prior: about the last 100 verify steps
 MARGIN = 0.03  # speculate only when the model predicts at least 3% more tokens per second
 PROBE_FIRST, PROBE_MAX = 32, 1024  # steps at k = 0 before a probe at k = 1, and the most after backing off
 
@@ -56,20 +57,20 @@ def expected_length(a: float, k: int) -> float:
 
 
 class Acceptance:
-    """One request's running per-position acceptance: kept drafts over drafts tried (a draft is tried when
-    all before it were kept), each decayed by DECAY per verify step, with the prior's pseudo-counts."""
+    """A running per-position acceptance: kept drafts over drafts tried (a draft is tried when all before it
+    were kept), each decayed by `decay` per verify step, with a prior's pseudo-counts."""
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = DECAY) -> None:
+        self.decay = decay
         self.kept = 0.0
         self.tried = 0.0
 
     def observe(self, offered: int, kept: int) -> None:
-        self.kept = DECAY * self.kept + kept
-        self.tried = DECAY * self.tried + kept + (kept < offered)
+        self.kept = self.decay * self.kept + kept
+        self.tried = self.decay * self.tried + kept + (kept < offered)
 
-    @property
-    def rate(self) -> float:
-        return (self.kept + PRIOR * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
+    def rate(self, prior: float = PRIOR) -> float:
+        return (self.kept + prior * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
 
 
 class SpeculationPolicy:
@@ -79,6 +80,9 @@ class SpeculationPolicy:
         self.cost = cost
         self.max_k = max_k
         self._acceptance: weakref.WeakKeyDictionary[Hashable, Acceptance] = weakref.WeakKeyDictionary()
+        # Every request's verify steps together, slowly decayed: a new request's prior (so that with a head
+        # whose drafts are wrong, new requests do not each pay a few verify steps to learn it).
+        self._overall = Acceptance(GLOBAL_DECAY)
         self.idle_steps = 0  # steps at k = 0 in a row
         self.probe_after = PROBE_FIRST
         self.probing = False  # the last choice was a probe
@@ -87,16 +91,20 @@ class SpeculationPolicy:
     def reset(self) -> None:
         """Forget every estimate and count (after the start-up warm-up's synthetic requests)."""
         self._acceptance.clear()
+        self._overall = Acceptance(GLOBAL_DECAY)
         self.idle_steps, self.probe_after, self.probing = 0, PROBE_FIRST, False
         self.chosen.clear()
 
     def observe(self, seq: Hashable, offered: int, kept: int) -> None:
         """A verify step offered `offered` drafts for `seq` and kept `kept`."""
         self._acceptance.setdefault(seq, Acceptance()).observe(offered, kept)
+        self._overall.observe(offered, kept)
 
     def rate(self, seq: Hashable) -> float:
+        """`seq`'s estimate, its prior being every request's recent acceptance (PRIOR before any)."""
+        prior = self._overall.rate(PRIOR)
         found = self._acceptance.get(seq)
-        return found.rate if found is not None else PRIOR
+        return found.rate(prior) if found is not None else prior
 
     def best_k(self, rates: list[float], context: float) -> int:
         """The k with the most tokens per second for a batch with these acceptance rates; 0 unless some
@@ -106,8 +114,11 @@ class SpeculationPolicy:
             return 0
         plain = seqs / self.cost.seconds(seqs, 0, context)
         best, best_rate = 0, plain * (1 + MARGIN)
+        tokens, powers = float(seqs), [1.0] * seqs  # expected tokens at k, the a^k of each request
         for k in range(1, self.max_k + 1):
-            rate = sum(expected_length(a, k) for a in rates) / self.cost.seconds(seqs, k, context)
+            powers = [p * a for p, a in zip(powers, rates, strict=True)]
+            tokens += sum(powers)  # one pass per k: the host's share of a step at batch 256 stays small
+            rate = tokens / self.cost.seconds(seqs, k, context)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best

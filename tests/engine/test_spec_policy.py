@@ -63,17 +63,17 @@ def test_the_mtp_head_costs_its_lm_head_per_draft_and_only_a_fill_at_k0(full):
 
 def test_acceptance_starts_at_the_prior_and_follows_the_evidence():
     a = Acceptance()
-    assert a.rate == pytest.approx(PRIOR)
+    assert a.rate() == pytest.approx(PRIOR)
     for _ in range(30):
         a.observe(3, 0)  # the first draft wrong every time
-    assert a.rate < 0.12  # the prior's pseudo-counts against about 10 decayed failures
+    assert a.rate() < 0.12  # the prior's pseudo-counts against about 10 decayed failures
     for _ in range(30):
         a.observe(3, 3)
-    assert a.rate > 0.95
+    assert a.rate() > 0.95
     b = Acceptance()
     for kept in [2, 1, 3, 0, 2] * 20:  # each kept draft a success, the first rejected one a failure
         b.observe(3, kept)
-    assert b.rate == pytest.approx(8 / 12, abs=0.05)
+    assert b.rate() == pytest.approx(8 / 12, abs=0.05)
 
 
 class Seq:
@@ -153,10 +153,19 @@ def test_policy_probes_after_idle_steps_and_backs_off(full):
     assert policy.chosen[0] == 3 * PROBE_FIRST - 2
 
 
-def test_a_new_request_starts_from_the_prior(full):
+def test_a_new_request_starts_from_every_requests_recent_acceptance(full):
     policy = SpeculationPolicy(cost(full[0]), 3)
     assert policy.rate(Seq()) == PRIOR
     assert policy.choose([Seq()], 100) > 0  # on by default until acceptance says otherwise
+    earlier = [Seq() for _ in range(10)]
+    for seq in earlier:
+        for _ in range(20):
+            policy.observe(seq, 2, 0)  # a head whose drafts are wrong
+    newcomer = Seq()
+    assert policy.rate(newcomer) < 0.1 and policy.best_k([policy.rate(newcomer)], 100) == 0
+    for _ in range(20):
+        policy.observe(newcomer, 2, 2)  # its own evidence outweighs the prior
+    assert policy.rate(newcomer) > 0.8
 
 
 @pytest.mark.parametrize(
