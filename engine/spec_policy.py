@@ -4,9 +4,10 @@ the step-cost model (`engine/spec_cost.py`); 0 when speculating does not pay.
 Each request keeps a running estimate of its per-position acceptance a (an EWMA of kept drafts over drafts
 tried, pulled toward a prior until it has evidence: all requests' recent acceptance, 0.6 before any). With
 k drafts a verify step emits sum_{i=0..k} a^i of its tokens; the policy picks the k that emits the most
-tokens per second for the step's batch, and k = 0 unless some k > 0 beats it by `MARGIN`. A step at k = 0 teaches nothing about acceptance, so after
-`PROBE_FIRST` such steps in a row one step probes at k = 1 (the wait doubles after each probe that does not
-pay, up to `PROBE_MAX`). Where the mode comes from: `speculation_mode`.
+tokens per second for the step's batch, and k = 0 unless some k > 0 beats it by `MARGIN`. A step at k = 0
+teaches nothing about acceptance, so after `PROBE_FIRST` such steps in a row one step probes at k = 1 (the
+wait doubles after each probe that does not pay, up to `PROBE_MAX`). Where the mode comes from:
+`speculation_mode`.
 """
 
 from __future__ import annotations
