@@ -20,6 +20,7 @@ from engine.bench.measure import guarded
 from engine.bench.settings import WARMUP_STEPS
 from engine.core import EngineCore
 from engine.sequence import Sequence
+from engine.spec_cost import StepCost
 from engine.spec_policy import ADAPTIVE_MAX_K, expected_length
 
 
@@ -157,3 +158,34 @@ def speculative_points(b: Bench, batch: int, prompt_len: int, new: int, label: s
     for name, p in ADAPTIVE:
         points.append(guarded(f"{label} adaptive {name}", lambda p=p: speculative(ADAPTIVE_MAX_K, None, p)))
     return points
+
+
+def fit_costs(points: list[dict[str, Any]], cost: StepCost) -> dict[str, float] | None:
+    """A `spec_costs.json` row from (f)'s batch-1 rows: the plain step's time less its bytes' is `step_s`;
+    a verify step's time beyond that and its bytes, averaged over k, is `verify_s`; an MTP step's time
+    beyond its verify step and the head's bytes, per draft, is `draft_s`. None without those rows."""
+    rows = {p["label"]: p for p in points if p.get("ms_per_step")}
+    plain = rows.get("plain decode step")
+    if plain is None:
+        return None
+    bw = cost.device.bytes_per_s
+    context = plain.get("mean_context") or 0.0
+    step_s = max(0.0, plain["ms_per_step"] / 1e3 - cost.step_bytes(1, 0, context, speculating=False) / bw)
+    verify, draft = [], []
+    for k in (1, 2, 3):
+        v, m = rows.get(f"verify k={k}"), rows.get(f"MTP step k={k}")
+        if v is None:
+            continue
+        main = cost.step_bytes(1, k, v.get("mean_context") or context, speculating=False)
+        verify.append(v["ms_per_step"] / 1e3 - step_s - main / bw)
+        if m is not None:
+            head = cost.step_bytes(1, k, context) - cost.step_bytes(1, k, context, speculating=False)
+            draft.append((m["ms_per_step"] - v["ms_per_step"]) / 1e3 / k - head / bw / k)
+    if not verify:
+        return None
+    return {
+        "bytes_per_s": bw,
+        "step_s": step_s,
+        "verify_s": max(0.0, statistics.fmean(verify)),
+        "draft_s": max(0.0, statistics.fmean(draft)) if draft else 0.0,
+    }

@@ -14,10 +14,12 @@ from engine.bench.harness import Bench, decode_point
 from engine.bench.measure import guarded
 from engine.bench.serving import documents, peer
 from engine.bench.settings import WARMUP_STEPS
-from engine.bench.speculation import speculative_points
+from engine.bench.speculation import fit_costs, speculative_points
 from engine.bench.traffic import prefill_bytes, roofline, step_bytes
+from engine.cache import slot_bytes
 from engine.runner import Drafter
 from engine.sequence import Sequence
+from engine.spec_cost import DeviceCosts, ModelBytes, StepCost
 
 
 def single_stream(b: Bench) -> list[dict[str, Any]]:
@@ -203,6 +205,12 @@ def mtp_verify(b: Bench) -> list[dict[str, Any]]:
         if mtp.get("ms_per_step") and verify.get("ms_per_step"):
             mtp["drafting_ms_per_step"] = mtp["ms_per_step"] - verify["ms_per_step"]
             mtp["note"] += f"; drafting {mtp['drafting_ms_per_step']:.2f} ms"
+    if b.model.mtp is not None:  # the step-cost table's row these measurements give (engine/spec_costs.json)
+        model_bytes = ModelBytes.of(b.model, b.dtype.itemsize, slot_bytes(b.config, b.dtype))
+        row = fit_costs(points, StepCost(model_bytes, DeviceCosts(b.bandwidth)))
+        if row is not None:
+            note = ", ".join(f"{k} {row[k] * 1e3:.3f} ms" for k in ("step_s", "verify_s", "draft_s"))
+            points.append({"label": "spec_costs.json row", "row": row, "note": note})
     return points + speculative_points(b, 1, s.verify_prompt, s.speculative_new, "e2e")
 
 

@@ -89,3 +89,28 @@ def test_end_to_end_speculation_hits_the_target_lengths_and_equals_plain(tiny_be
     # Always-wrong drafts: after the prior's first steps the policy stops drafting.
     assert wrong["k_chosen"].get(0, 0) > sum(n for k, n in wrong["k_chosen"].items() if k), wrong
     assert right["mean_accepted_length"] > 2.0 and max(right["k_chosen"]) == 3, right
+
+
+def test_fit_costs_recovers_the_fixed_costs_of_synthetic_rows(tiny_bench):
+    from engine.bench.speculation import fit_costs
+    from engine.cache import slot_bytes
+    from engine.spec_cost import DeviceCosts, ModelBytes, StepCost
+
+    b = tiny_bench
+    model_bytes = ModelBytes.of(b.model, 4, slot_bytes(b.config, torch.float32))
+    truth = DeviceCosts(bytes_per_s=1e9, step_s=0.002, verify_s=0.003, draft_s=0.0015)
+    cost = StepCost(model_bytes, truth)
+    ctx = 100.0
+    main = {k: cost.step_bytes(1, k, ctx, speculating=False) / 1e9 for k in range(4)}
+    head = {
+        k: (cost.step_bytes(1, k, ctx) - cost.step_bytes(1, k, ctx, speculating=False)) / 1e9
+        for k in (1, 2, 3)
+    }
+    points = [{"label": "plain decode step", "ms_per_step": 1e3 * (0.002 + main[0]), "mean_context": ctx}]
+    for k in (1, 2, 3):
+        verify = 0.002 + 0.003 + main[k]
+        points.append({"label": f"verify k={k}", "ms_per_step": 1e3 * verify, "mean_context": ctx})
+        points.append({"label": f"MTP step k={k}", "ms_per_step": 1e3 * (verify + k * 0.0015 + head[k])})
+    row = fit_costs(points, StepCost(model_bytes, DeviceCosts(bytes_per_s=1e9)))
+    assert row == pytest.approx({"bytes_per_s": 1e9, "step_s": 0.002, "verify_s": 0.003, "draft_s": 0.0015})
+    assert fit_costs(points[1:], cost) is None  # no plain row: nothing to fit
