@@ -199,3 +199,13 @@ def test_drafting_reads_the_drafts_once_per_step(mtp_dir, reference, monkeypatch
         assert tokens(outs) == expected
     assert e.stats().draft_tokens > 0
     assert reads and max(reads) == 1, reads
+
+
+def test_the_warm_up_leaves_the_policy_as_new(adaptive, mtp_dir, reference):
+    prompts, expected = reference
+    options = dict(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=120)
+    with engine(mtp_dir, warm_up=True, **options) as e:
+        policy = e.core.runner.policy
+        assert policy.chosen == {} and policy.idle_steps == 0  # the synthetic requests' choices forgotten
+        assert tokens(e.generate(prompts, GREEDY)) == expected
+        assert policy.chosen
