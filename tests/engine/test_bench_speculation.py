@@ -114,3 +114,19 @@ def test_fit_costs_recovers_the_fixed_costs_of_synthetic_rows(tiny_bench):
     row = fit_costs(points, StepCost(model_bytes, DeviceCosts(bytes_per_s=1e9)))
     assert row == pytest.approx({"bytes_per_s": 1e9, "step_s": 0.002, "verify_s": 0.003, "draft_s": 0.0015})
     assert fit_costs(points[1:], cost) is None  # no plain row: nothing to fit
+
+
+def test_batch_decode_speculative_rows(tmp_path):
+    import json
+
+    from engine import bench
+
+    path = tmp_path / "bench.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--quick", "--workloads", "b"]
+    assert bench.main([*argv, "--batches", "3", "--speculative", "--json", str(path)]) == 0
+    points = {p["label"]: p for p in json.loads(path.read_text())["workloads"]["b"]}
+    assert points["batch 3"]["tokens_per_s"] > 0
+    assert points["batch 3 e2e plain"]["batch"] == 3
+    for k, length in TARGETS:
+        point = points[f"batch 3 e2e AL {length} k={k}"]
+        assert point["batch"] == 3 and point["matches_plain"] and point["mean_accepted_length"] > 1
