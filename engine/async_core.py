@@ -24,13 +24,21 @@ from engine.planner import CachePlan
 from engine.runner import Drafter, Launched, Readback
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
+from engine.spec_policy import SpeculationMode, speculation_mode
 from engine.warmup import warm_up
 
 
-def async_wanted(options: EngineOptions, device: torch.device, drafter: Drafter | None = None) -> bool:
+def async_wanted(
+    options: EngineOptions,
+    device: torch.device,
+    drafter: Drafter | None = None,
+    mode: SpeculationMode | None = None,
+) -> bool:
     """The `async_scheduling` option, or, left unset, on CUDA (on the CPU nothing runs beside the host)
-    unless ENCLAVE_ASYNC_SCHEDULING=0. Never with speculation: drafting needs the tokens at once."""
-    if options.speculation.num_speculative_tokens or drafter is not None:
+    unless ENCLAVE_ASYNC_SCHEDULING=0. Never with a fixed k (`mode`, else the options' own): drafting needs
+    the tokens at once; adaptive speculation defers its steps at k = 0 and runs the others synchronously."""
+    mode = mode or speculation_mode(options.speculation, drafter is not None, device)
+    if not mode.adaptive and (mode.k or drafter is not None):
         return False
     requested = options.serving.async_scheduling
     if requested is not None:
@@ -39,12 +47,19 @@ def async_wanted(options: EngineOptions, device: torch.device, drafter: Drafter 
 
 
 def build_core(
-    model: CausalLM, plan: CachePlan, options: EngineOptions, drafter: Drafter | None = None
+    model: CausalLM,
+    plan: CachePlan,
+    options: EngineOptions,
+    drafter: Drafter | None = None,
+    mode: SpeculationMode | None = None,
 ) -> EngineCore:
     """The asynchronous core when `async_wanted`, else the synchronous one; warmed up (`engine.warmup`) when
-    the `warm_up` option says so, or, unset, when its decode graphs were captured at start."""
-    asynchronous = async_wanted(options, model.inv_freq.device, drafter)
-    core = (AsyncEngineCore if asynchronous else EngineCore)(model, plan, options, drafter)
+    the `warm_up` option says so, or, unset, when its decode graphs were captured at start. `mode`: the
+    speculation `Engine` worked out (default: the options')."""
+    device = model.inv_freq.device
+    mode = mode or speculation_mode(options.speculation, model.mtp is not None or drafter is not None, device)
+    asynchronous = async_wanted(options, device, drafter, mode)
+    core = (AsyncEngineCore if asynchronous else EngineCore)(model, plan, options, drafter, mode)
     wanted = options.kernels.warm_up
     if wanted is None:
         wanted = core.graphs is not None and options.kernels.graph_capture_len > 0
@@ -70,9 +85,14 @@ class AsyncEngineCore(EngineCore):
     async_scheduling = True
 
     def __init__(
-        self, model: CausalLM, plan: CachePlan, options: EngineOptions, drafter: Drafter | None = None
+        self,
+        model: CausalLM,
+        plan: CachePlan,
+        options: EngineOptions,
+        drafter: Drafter | None = None,
+        mode: SpeculationMode | None = None,
     ) -> None:
-        super().__init__(model, plan, options, drafter)
+        super().__init__(model, plan, options, drafter, mode)
         self._pending: Deferred | None = None
 
     def has_work(self) -> bool:

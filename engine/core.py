@@ -11,7 +11,7 @@ import logging
 import time
 
 from engine.allocator import BlockAllocator, SlotAllocator
-from engine.cache import ModelCache, kv_cache_dtype
+from engine.cache import ModelCache, kv_cache_dtype, slot_bytes
 from engine.errors import EngineError
 from engine.graphs import DecodeGraphs, graphs_wanted
 from engine.kernels import dispatch
@@ -22,6 +22,8 @@ from engine.planner import CachePlan, step_tokens
 from engine.runner import Drafter, Launched, ModelRunner
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.spec_cost import ModelBytes, StepCost, device_costs
+from engine.spec_policy import SpeculationMode, SpeculationPolicy, speculation_mode
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +41,29 @@ class EngineCore:
     """Scheduler, cache and runner for one model, stepped by the caller.
 
     `options.serving.max_num_seqs` must be set (`Engine` sizes it from the cache plan); `drafter` stands in
-    for the MTP head (tests, benchmarks)."""
+    for the MTP head (tests, benchmarks); `mode`: speculation as `Engine` worked it out (default: the
+    options', `speculation_mode`), adaptive ones choosing each step's k with a `SpeculationPolicy`."""
 
     async_scheduling = False  # whether steps are launched before the previous step's tokens are read
 
     def __init__(
-        self, model: CausalLM, plan: CachePlan, options: EngineOptions, drafter: Drafter | None = None
+        self,
+        model: CausalLM,
+        plan: CachePlan,
+        options: EngineOptions,
+        drafter: Drafter | None = None,
+        mode: SpeculationMode | None = None,
     ) -> None:
-        serving, k = options.serving, options.speculation.num_speculative_tokens
+        serving = options.serving
+        device = model.inv_freq.device
+        mode = mode or speculation_mode(
+            options.speculation, model.mtp is not None or drafter is not None, device
+        )
+        k = mode.k
         if serving.max_num_seqs is None:
             raise EngineError("EngineCore needs max_num_seqs; Engine sizes it from the cache plan")
         # One GEMM per DeltaNet layer's input projections: after any FP8 swap, before graphs are captured.
         model.fuse_projections_()
-        device = model.inv_freq.device
         dtype = model.model.embed_tokens.weight.dtype
         num_mtp = len(model.mtp.layers) if model.mtp is not None and k else 0
         self.options = options
@@ -77,7 +89,14 @@ class EngineCore:
         pads = (plan.total_slots, plan.num_blocks)
         decode_graphs = DecodeGraphs(model, self.cache, *pads, serving.max_num_seqs) if graphs else None
         mtp_hidden = options.speculation.mtp_hidden
-        self.runner = ModelRunner(model, self.cache, plan, k, drafter, mtp_hidden, decode_graphs)
+        policy = None
+        if mode.adaptive:
+            kv_itemsize = (
+                self.cache.mtp_layers[0].k.element_size() if self.cache.mtp_layers else dtype.itemsize
+            )
+            costs = ModelBytes.of(model, kv_itemsize, slot_bytes(model.config, dtype))
+            policy = SpeculationPolicy(StepCost(costs, device_costs(device)), k)
+        self.runner = ModelRunner(model, self.cache, plan, k, drafter, mtp_hidden, decode_graphs, policy)
         self.graphs = decode_graphs
         if decode_graphs is not None and options.kernels.graph_capture_len:
             self._capture_graphs(options.kernels.graph_capture_len, k)
@@ -104,8 +123,8 @@ class EngineCore:
         longest = self.options.serving.max_model_len or self.graphs.model.config.max_model_len
         positions = min(positions, longest)
         self.graphs.capture_all(positions)
-        if k:
-            self.graphs.capture_all(positions, k + 1, keeps_states=True)
+        for drafts in range(1 if self.runner.policy is not None else k, k + 1) if k else ():
+            self.graphs.capture_all(positions, drafts + 1, keeps_states=True)  # adaptive: every k up to k
         log.info(
             "captured %d CUDA graphs for contexts up to %d in %.1f s",
             self.graphs.captures,
@@ -122,6 +141,8 @@ class EngineCore:
         self.draft_tokens = self.accepted_tokens = self.aborted = 0
         self.busy_s = 0.0
         self.scheduler.num_preemptions = 0
+        if self.runner.policy is not None:
+            self.runner.policy.reset()
 
     def step(self) -> list[Sequence]:
         """Run one step; return the requests that finished in it."""

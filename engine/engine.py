@@ -30,6 +30,7 @@ from engine.reasoning import ThinkTokens
 from engine.runner import Drafter
 from engine.sampling import SamplingParams
 from engine.sequence import PrefixSpec, Sequence
+from engine.spec_policy import speculation_mode
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,17 +72,20 @@ class Engine:
         `from_pretrained`'s); `drafter` stands in for the MTP head (tests, benchmarks); `name` is the served
         model's name that outputs carry (`from_pretrained`: the checkpoint directory's)."""
         options = options or EngineOptions()
-        k = options.speculation.num_speculative_tokens
-        if k and model.mtp is None and drafter is None:
+        mode = speculation_mode(options.speculation, model.mtp is not None or drafter is not None, device)
+        if mode.k and model.mtp is None and drafter is None:
             raise EngineError(
                 "num_speculative_tokens needs an MTP head, and this checkpoint has none (no mtp.* tensors)"
             )
+        k = mode.k
+        options = options.with_flat({"num_speculative_tokens": k})  # worked out: the planner sizes for it
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
         self.device = device
         self.dtype = dtype
-        self.num_speculative_tokens = k
+        self.num_speculative_tokens = k  # the most drafts a step verifies
+        self.adaptive_speculation = mode.adaptive  # whether each step's k is chosen (`engine/spec_policy.py`)
         self.max_model_len = min(options.serving.max_model_len or config.max_model_len, config.max_model_len)
         eos = set(config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.eos_token_ids = frozenset(eos)
@@ -102,7 +106,7 @@ class Engine:
                 "long_prefill_chunk": step_tokens(options, device),
             }
         )
-        self.core = build_core(model, self.plan, self.options, drafter)
+        self.core = build_core(model, self.plan, self.options, drafter, mode)
         self._cond = threading.Condition()
         self._inbox: list[tuple[Sequence, Future]] = []
         self._futures: dict[int, Future] = {}  # id(seq) -> its future, for requests the core holds

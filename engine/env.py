@@ -77,6 +77,16 @@ VARIABLES: tuple[Variable, ...] = (
         "`0` reads each step's tokens before launching the next step",
     ),
     Variable(
+        "ENCLAVE_SPECULATION",
+        "speculation",
+        "choice",
+        "auto",
+        "`adaptive` chooses each step's drafts (at most `num_speculative_tokens`, unset: 3) from the "
+        "measured acceptance and the batch, on any device; `fixed` verifies `num_speculative_tokens` every "
+        "step; `auto`: adaptive on cuda when the checkpoint has an MTP head and the option is unset",
+        ("auto", "adaptive", "fixed"),
+    ),
+    Variable(
         "ENCLAVE_DELTANET_V_SPLITS",
         "deltanet_v_splits",
         "splits",
@@ -103,6 +113,7 @@ class EngineEnv:
     pdl: bool = True
     cuda_graphs: bool = True
     async_scheduling: bool = True
+    speculation: str = "auto"
     deltanet_v_splits: int | None = None
     commit: str | None = None
     triton_interpret: bool = False

@@ -117,7 +117,7 @@ class ServingOptions(_Concern):
         "switch",
         None,
         "plan and launch each step before the previous step's tokens are read; unset: on cuda unless "
-        "ENCLAVE_ASYNC_SCHEDULING=0; true forces it (on the cpu too); never with speculation",
+        "ENCLAVE_ASYNC_SCHEDULING=0; true forces it (on the cpu too); never with a fixed speculative k",
     )
 
 
@@ -184,10 +184,13 @@ class KernelOptions(_Concern):
 class SpeculationOptions(_Concern):
     """Speculative decoding with the checkpoint's MTP head."""
 
-    num_speculative_tokens: int = _option(
+    num_speculative_tokens: int | None = _option(
         "whole",
-        0,
-        "drafts the MTP head proposes and each step verifies (needs a checkpoint with an MTP head); 0: off",
+        None,
+        "drafts the MTP head proposes and each step verifies (needs a checkpoint with an MTP head); a number "
+        "forces that k (0: off); unset: adaptive on cuda when the checkpoint has an MTP head (k chosen per "
+        "step from the measured acceptance and the batch, at most 3, 0 when speculating does not pay), "
+        "else off",
         low=0,
         high=MAX_SPECULATIVE_TOKENS,
     )

@@ -110,7 +110,7 @@ def plan_for(
     """`max_num_seqs` (the option's, or sized from the budget: `affordable_seqs` on CUDA, CPU_MAX_NUM_SEQS
     elsewhere) and the cache plan for the options' serving and cache settings."""
     serving, cache = options.serving, options.cache
-    k = options.speculation.num_speculative_tokens
+    k = options.speculation.num_speculative_tokens or 0  # unset: `Engine` resolves it first
     max_num_seqs = serving.max_num_seqs
     if max_num_seqs is None and device.type != "cuda":
         max_num_seqs = CPU_MAX_NUM_SEQS

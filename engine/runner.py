@@ -26,9 +26,12 @@ from engine.processors import LogitsProcessors, needs_processing
 from engine.sampler import filtered_probs, logprob_entries, sample_rows, to_device
 from engine.scheduler import NOTHING, Drafts, Sampled, ScheduledSeq, SchedulerOutput
 from engine.sequence import PENDING, Sequence
+from engine.spec_policy import SpeculationPolicy
 from engine.speculative import accept_greedy, accept_sampled
 
-# A test or benchmark may replace the MTP head as drafter: (sequence, how many) -> draft token ids.
+# A test or benchmark may replace the MTP head as drafter: (sequence, how many) -> draft token ids. One whose
+# `after_head` attribute is true lets the head draft first (its cost paid, its KV filled), then replaces its
+# tokens (a benchmark's controlled acceptance at the real drafting cost).
 Drafter = Callable[[Sequence, int], list[int]]
 
 
@@ -44,6 +47,11 @@ class Launched:
     tokens: torch.Tensor  # [rows] int64: each row's argmax or draw (drafts accepted later)
     mtp_input: torch.Tensor | None  # [T, H] the hidden states the MTP head reads (speculation only)
     raw_logits: torch.Tensor | None = None  # [rows, V] the model's own, kept for log-probs when changed
+    # Speculating, the drafts the step's sequences propose for the next step, chosen at launch for a step
+    # that verifies none (None: chosen in `draft`, after this step's acceptance is known); and whether the
+    # MTP head's K/V for the step's positions were queued at launch (next_k 0: the step may be deferred).
+    next_k: int | None = None
+    filled: bool = False
 
     def token_rows(self) -> list[int | None]:
         """Per item, its (first) row in `tokens`, or None when it samples nothing."""
@@ -73,6 +81,7 @@ class ModelRunner:
         drafter: Drafter | None = None,
         mtp_hidden: str = "normed",
         graphs: DecodeGraphs | None = None,
+        policy: SpeculationPolicy | None = None,
     ) -> None:
         self.mtp_hidden = mtp_hidden  # checked by SpeculationOptions
         self.model = model
@@ -83,6 +92,7 @@ class ModelRunner:
         self.drafter = drafter
         self.graphs = graphs  # CUDA graphs for decode and verify steps; None runs every step eagerly
         self.processors = LogitsProcessors(self.device)
+        self.policy = policy  # adaptive speculation: each step's k (at most `k`); None: always k
 
     @torch.inference_mode()
     def launch(
@@ -120,13 +130,72 @@ class ModelRunner:
             # The host fills the grammar masks here, while the device runs the forward pass queued above.
             self.processors.apply(items, emit_rows, logits)
         tokens = self._tokens(items, emit_rows, logits)
-        return Launched(items, layout, emit_rows, logits, tokens, mtp_input, raw)
+        next_k, filled = None, False
+        if self.k and not any(item.drafts for item in items):
+            next_k = self._step_k([item.seq for item in self._decoding(items)])
+            if next_k == 0 and self._runs_head():
+                self._store_kv_ahead(items, layout, ids, tokens, emit_rows, mtp_input)
+                filled = True
+        return Launched(items, layout, emit_rows, logits, tokens, mtp_input, raw, next_k, filled)
+
+    def _runs_head(self) -> bool:
+        """Whether the MTP head runs (and keeps its cache): not when a drafter stands in for it entirely."""
+        after_head = self.drafter is None or getattr(self.drafter, "after_head", False)
+        return self.model.mtp is not None and after_head
+
+    def _store_kv_ahead(
+        self,
+        items: list[ScheduledSeq],
+        layout: SeqLayout,
+        ids: torch.Tensor,
+        tokens: torch.Tensor,
+        emit_rows: list[list[int]],
+        mtp_input: torch.Tensor,
+    ) -> None:
+        """Queue the MTP head's K/V for a step that verifies no drafts, pairing position p with token p + 1
+        on the device: the step's next input, or, at a sequence's last position, the token it samples now
+        (still on the device) or the next prompt token."""
+        next_ids = torch.cat((ids[1:], ids.new_zeros(1)))  # [T] the flat batch's next input ids
+        sampled_at, sampled_rows, known_at, known = [], [], [], []
+        offset = 0
+        for item, start, emitted in zip(items, layout.cu_seqlens[: len(items)], emit_rows, strict=True):
+            last = start + item.num_tokens - 1
+            if emitted:
+                sampled_at.append(last)
+                sampled_rows.append(offset)
+            else:
+                after = item.context + item.num_new
+                known_at.append(last)
+                known.append(max(item.seq.token_ids[after], 0) if after < item.seq.num_tokens else 0)
+            offset += len(emitted)
+        if sampled_at:
+            next_ids[self._to_device(sampled_at)] = tokens[self._to_device(sampled_rows)]
+        if known_at:
+            next_ids[self._to_device(known_at)] = self._to_device(known)
+        self.model.mtp_store_kv(next_ids, mtp_input, self._mtp_layout(layout), self.cache)
+
+    @staticmethod
+    def _mtp_layout(layout: SeqLayout) -> SeqLayout:
+        """The step's layout without its verify states: the MTP head has only attention."""
+        return SeqLayout(
+            layout.query_lens, layout.context_lens, layout.slots, layout.block_tables, layout.block_size
+        )
+
+    def _decoding(self, items: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """The step's sequences that will propose drafts for the next step (if its k is above 0)."""
+        return [
+            item
+            for item in items
+            if item.samples and not item.seq.finished and self._draft_count(item.seq, self.k) > 0
+        ]
 
     def deferrable(self, launched: Launched) -> bool:
-        """Whether the step's tokens can wait on the device: not with drafts to verify or propose, nor with
-        log-probabilities to compute from its logits, nor when a request's next logits depend on its tokens
-        on the host (penalties, a grammar)."""
-        if self.k or self.drafter is not None:
+        """Whether the step's tokens can wait on the device: not with drafts to verify or propose (adaptive
+        speculation defers its steps at k = 0), nor with log-probabilities to compute from its logits, nor
+        when a request's next logits depend on its tokens on the host (penalties, a grammar)."""
+        if self.policy is None and (self.k or self.drafter is not None):
+            return False
+        if self.policy is not None and launched.next_k != 0:  # drafts to verify or to propose
             return False
         return all(
             item.seq.params.logprobs is None and not needs_processing(item.seq)
@@ -253,6 +322,8 @@ class ModelRunner:
             else:
                 tokens = [argmax[block.start]]  # drawn on the device by _tokens
             kept = len(tokens) - 1
+            if drafts and self.policy is not None:
+                self.policy.observe(seq, len(drafts), kept)
             if drafts and kept < len(drafts):
                 # The state after the last accepted input is the verify step's kept[th] position.
                 commits.append((launched.layout.state_out[index][kept], seq.slot))
@@ -284,16 +355,17 @@ class ModelRunner:
         items, layout = launched.items, launched.layout
         accepted = [got.accepted for got in sampled]
         proposed: list[Drafts | None] = [None] * len(items)
-        wanting = [
-            (i, item)
-            for i, item in enumerate(items)
-            if item.samples and not item.seq.finished and self._draft_count(item.seq) > 0
-        ]
-        if self.drafter is not None:
-            for i, item in wanting:
-                ids = self.drafter(item.seq, self._draft_count(item.seq))
-                proposed[i] = Drafts(tuple(ids)[: self.k])
+        if launched.filled:  # k = 0, the head's K/V queued at launch
             return proposed
+        will = {id(item) for item in self._decoding(items)}
+        decoding = [(i, item) for i, item in enumerate(items) if id(item) in will]
+        k = launched.next_k
+        if k is None:  # a verify step: chosen now that its acceptance is known
+            k = self._step_k([item.seq for _, item in decoding])
+        wanting = decoding if k else []
+        after_head = self.drafter is not None and getattr(self.drafter, "after_head", False)
+        if self.drafter is not None and not (after_head and self.model.mtp is not None):
+            return self._stand_in(wanting, proposed, k)
         if self.model.mtp is None:
             return proposed
         # Position p's MTP input pairs the main model's hidden state at p with the token at p + 1.
@@ -303,24 +375,22 @@ class ModelRunner:
             for j in range(item.num_tokens):
                 p = item.context + j + 1
                 next_ids.append(tokens[p] if p < len(tokens) else 0)  # past the accepted run: rewritten later
-        mtp_layout = SeqLayout(
-            layout.query_lens, layout.context_lens, layout.slots, layout.block_tables, layout.block_size
-        )
-        h = self.model.mtp_hidden(self._to_device(next_ids), launched.mtp_input, mtp_layout, self.cache)
-        if not wanting:
+        mtp_layout = self._mtp_layout(layout)
+        if not wanting:  # nothing to draft: only the head's K/V, so that later drafts read no holes
+            self.model.mtp_store_kv(self._to_device(next_ids), launched.mtp_input, mtp_layout, self.cache)
             return proposed
+        h = self.model.mtp_hidden(self._to_device(next_ids), launched.mtp_input, mtp_layout, self.cache)
         rows = [layout.cu_seqlens[i] + item.num_new - 1 + accepted[i] for i, item in wanting]
         seqs = [item.seq for _, item in wanting]
-        counts = [self._draft_count(s) for s in seqs]
+        counts = [self._draft_count(s, k) for s in seqs]
         positions = [item.context + item.num_new - 1 + accepted[i] for i, item in wanting]
         hidden = h[self._to_device(rows)]
-        drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        steps: list[torch.Tensor] = []  # [B] per draft step: each feeds the next on the device
         for step in range(max(counts)):
             logits = self.model.logits(hidden)
             tokens = self._pick_drafts(seqs, logits, probs)
-            for b, t in enumerate(tokens):
-                drafts[b].append(t)
+            steps.append(tokens)
             if step + 1 == max(counts):
                 break
             # The next draft: the head's own output with the draft just made, one position further.
@@ -331,29 +401,49 @@ class ModelRunner:
                 tuple(tuple(s.blocks) for s in seqs),
                 self.cache.block_size,
             )
-            token_ids = self._to_device(tokens)
-            hidden = self.model.mtp_hidden(token_ids, hidden, step_layout, self.cache, step + 1)
+            hidden = self.model.mtp_hidden(tokens, hidden, step_layout, self.cache, step + 1)
+        drafts = torch.stack(steps, dim=1).tolist()  # [B, k]: the host reads every draft once, at the end
+        if after_head:
+            return self._stand_in(wanting, proposed, k)
         for b, (i, item) in enumerate(wanting):
             q = None if item.seq.params.greedy else torch.stack(probs[b][: counts[b]])
             proposed[i] = Drafts(tuple(drafts[b][: counts[b]]), q)
         return proposed
 
-    def _draft_count(self, seq: Sequence) -> int:
+    def _stand_in(
+        self, wanting: list[tuple[int, ScheduledSeq]], proposed: list[Drafts | None], k: int
+    ) -> list[Drafts | None]:
+        """The drafter's tokens in place of the head's (a point mass each: no distribution)."""
+        for i, item in wanting:
+            count = self._draft_count(item.seq, k)
+            proposed[i] = Drafts(tuple(self.drafter(item.seq, count))[:count])
+        return proposed
+
+    def _step_k(self, seqs: list[Sequence]) -> int:
+        """The next step's drafts per sequence: k, or the policy's choice for these decoding sequences."""
+        if self.policy is None or not seqs:
+            return self.k if seqs else 0
+        return self.policy.choose(seqs, sum(s.num_tokens for s in seqs) / len(seqs))
+
+    @staticmethod
+    def _draft_count(seq: Sequence, k: int) -> int:
         """Drafts worth proposing: at most k, and fewer near max_tokens or the context limit."""
         left = seq.max_model_len - seq.num_tokens
         if seq.params.max_tokens is not None:
             left = min(left, seq.params.max_tokens - len(seq.output_ids))
-        return max(0, min(self.k, left - 1))
+        return max(0, min(k, left - 1))
 
     @staticmethod
     def _pick_drafts(
         seqs: list[Sequence], logits: torch.Tensor, probs: list[list[torch.Tensor]]
-    ) -> list[int]:
-        tokens = logits.argmax(-1).tolist()
+    ) -> torch.Tensor:
+        """One draft per sequence, on the device [B] (nothing read by the host): the argmax, or for a sampled
+        request a draw from its filtered distribution, kept in `probs` for rejection sampling."""
+        tokens = logits.argmax(-1)
         for b, seq in enumerate(seqs):
             if not seq.params.greedy:
                 q = filtered_probs(logits[b], seq.params)
-                tokens[b] = int(torch.multinomial(q, 1, generator=seq.generator)[0])
+                tokens[b] = torch.multinomial(q, 1, generator=seq.generator)[0]
                 probs[b].append(q)
         return tokens
 

@@ -2,7 +2,8 @@
 
     python -m engine.bench [--preset qwen3.5-35b-a3b | --preset tiny | --model PATH]
         [--workloads a,b,c,d,e,f,g,h,i,j] [--quick] [--max-seconds S] [--device cuda] [--dtype bfloat16]
-        [--kv-cache-gib G] [--kv-cache-dtype auto|fp8] [--long-prompt 131072,262144,1M] [--json PATH]
+        [--kv-cache-gib G] [--kv-cache-dtype auto|fp8] [--long-prompt 131072,262144,1M] [--speculative]
+        [--json PATH]
     enclave bench ...   (the same arguments)
 
 A preset builds the model with seeded random weights directly on the device (no checkpoint, no tokenizer:
@@ -16,7 +17,10 @@ and the percentage of the roofline that is:
     (d) documents: 512 requests of 2048 prompt + 256 new tokens through Engine.submit
     (e) long context: a 131,072-token prompt (or each --long-prompt length), its prefill and the decode
         rate at that context; a preset whose window is shorter gets YaRN as Qwen3.6 documents for 1M tokens
-    (f) MTP verify step with k = 1, 2, 3 against a plain decode step at batch 1 (time ratio)
+    (f) MTP verify step with k = 1, 2, 3 against a plain decode step at batch 1 (time ratio); then one
+        request decoded end to end, plainly and speculating with a drafter right with probability p per
+        position (mean accepted lengths 1.8, 2.4, 3.39 at k = 1, 2, 3; the real MTP head drafts first, for
+        its cost); `--speculative` does the same at each batch size of (b)
     (g) transformers' Qwen3_5MoeForCausalLM, same geometry and random weights, for (a) and (b, 64)
     (h)-(j) vLLM's published H200 runs (Qwen3.5-35B-A3B-FP8), their shapes through Engine.submit, each
         against vLLM's figure: (h) 1,000 x 1,024+128 at 512 concurrent (50,465 total tok/s); (i) 100 x
@@ -135,6 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warm_up=args.warm_up,
         long_prefill_chunk=args.long_prefill_chunk,
         kv_cache_dtype=args.kv_cache_dtype,
+        speculative=args.speculative,
     )
     bandwidth, matmul = measure_device(device, dtype, args.quick)
     say(f"building {args.model or args.preset} on {device} as {dtype}")
@@ -271,6 +276,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "millions; Ki, Mi: 1,024, 1,048,576); default 131072",
     )
     parser.add_argument("--long-prefill-chunk", type=int, help=_doc("long_prefill_chunk"))
+    parser.add_argument(
+        "--speculative",
+        action="store_true",
+        help="(b) also decodes each batch plainly and with controlled-acceptance MTP speculation end to end",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--warm-up",

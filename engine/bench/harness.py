@@ -23,6 +23,7 @@ from engine.planner import plan_for, step_tokens
 from engine.runner import Drafter
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
+from engine.spec_policy import SpeculationMode
 
 if TYPE_CHECKING:  # the grammar library loads only when a constrained workload runs
     from engine.grammar import GrammarState
@@ -71,10 +72,12 @@ class Bench:
         k: int = 0,
         drafter: Drafter | None = None,
         asynchronous: bool | None = None,
+        adaptive: bool = False,
     ) -> EngineCore:
         """A fresh engine core whose pools fit `max_num_seqs` sequences of `max_len` positions (at most the
-        cache budget); with `k` drafts per step from `drafter`, or from the MTP head when it is None;
-        asynchronous scheduling as `build_core` decides unless `asynchronous` says."""
+        cache budget); with `k` drafts per step from `drafter`, or from the MTP head when it is None (with
+        `adaptive`, at most k, chosen per step by the speculation policy); asynchronous scheduling as
+        `build_core` decides unless `asynchronous` says."""
         options = self.options(
             max_num_seqs=max_num_seqs,
             max_model_len=max_len,
@@ -88,7 +91,7 @@ class Bench:
         _, plan = plan_for(
             self.config, self.dtype, self.device, options, max_model_len=max_len, num_mtp_layers=num_mtp
         )
-        return build_core(self.model, plan, options, drafter)
+        return build_core(self.model, plan, options, drafter, SpeculationMode(k, adaptive and k > 0))
 
     def prompts(self, n: int, length: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.settings.seed)

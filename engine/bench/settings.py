@@ -44,6 +44,7 @@ class Sizes:
     long_steps: int = 16
     verify_prompt: int = 512
     verify_steps: int = 32
+    speculative_new: int = 256  # (f)'s end-to-end runs with controlled acceptance; (b --speculative) too
     # (h)-(j): the shapes of vLLM's published H200 runs
     peer_h: Served = Served(1000, 1024, 128, 512)
     peer_i: Served = Served(100, 32000, 100)
@@ -64,6 +65,7 @@ QUICK = Sizes(
     long_steps=4,
     verify_prompt=64,
     verify_steps=8,
+    speculative_new=32,
     peer_h=Served(48, 128, 16, 16),
     peer_i=Served(6, 2048, 8),
     peer_j=Served(32, 64, 48, 8),
@@ -83,3 +85,4 @@ class Settings:
     warm_up: bool | None = None  # the serving engines' warm_up option; None: the engine's default
     long_prefill_chunk: int | None = None  # the engine option; None: the engine's default (32,768 on cuda)
     kv_cache_dtype: str = "auto"  # every workload's engine option (auto: the model's dtype; fp8)
+    speculative: bool = False  # (b) also decodes each batch with controlled-acceptance speculation

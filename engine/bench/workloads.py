@@ -1,5 +1,6 @@
-"""Workloads (a)-(f): single stream, batch decode, prefill, documents, long context and MTP verify (the last
-through `Engine.submit`, with the peer-shaped (h)-(j), in `serving`)."""
+"""Workloads (a)-(f): single stream, batch decode, prefill, documents, long context and MTP verify (the
+fourth through `Engine.submit`, with the peer-shaped (h)-(j), in `serving`; speculation end to end with
+controlled acceptance, in (f) and `--speculative` (b), in `speculation`)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ from engine.bench.harness import Bench, decode_point
 from engine.bench.measure import guarded
 from engine.bench.serving import documents, peer
 from engine.bench.settings import WARMUP_STEPS, Sizes
+from engine.bench.speculation import fit_costs, speculative_points
 from engine.bench.traffic import prefill_bytes, roofline, step_bytes
+from engine.cache import slot_bytes
 from engine.runner import Drafter
 from engine.sequence import Sequence
+from engine.spec_cost import DeviceCosts, ModelBytes, StepCost
 
 
 def single_stream(b: Bench) -> list[dict[str, Any]]:
@@ -49,7 +53,12 @@ def batch_decode(b: Bench) -> list[dict[str, Any]]:
             point["note"] = f"{point['ms_per_step']:.1f} ms/step at context {point['mean_context']:.0f}"
         return point
 
-    return [guarded(f"batch {n}", lambda n=n: measure(n)) for n in s.batches]
+    points = []
+    for n in s.batches:
+        points.append(guarded(f"batch {n}", lambda n=n: measure(n)))
+        if b.settings.speculative:  # plain against speculative at each target AL, to the same tokens
+            points += speculative_points(b, n, s.batch_prompt, s.speculative_new, f"batch {n} e2e")
+    return points
 
 
 def prefill(b: Bench) -> list[dict[str, Any]]:
@@ -187,7 +196,8 @@ def repeat_last_drafter(seq: Sequence, count: int) -> list[int]:
 
 
 def mtp_verify(b: Bench) -> list[dict[str, Any]]:
-    """(f) batch-1 step time verifying k drafts (k+1 positions) against a plain decode step."""
+    """(f) batch-1 step time verifying k drafts (k+1 positions) against a plain decode step; then one
+    request decoded end to end plainly and with speculation at each target mean accepted length."""
     s = b.sizes
 
     def measure(k: int, drafter: Drafter | None) -> dict[str, Any]:
@@ -237,7 +247,19 @@ def mtp_verify(b: Bench) -> list[dict[str, Any]]:
         )
     if base_ms:
         plain["note"] = f"{base_ms:.1f} ms/step"
-    return points
+    by_label = {point["label"]: point for point in points}
+    for k in (1, 2, 3):  # the MTP head's drafting alone: an MTP step less a verify step of the same k
+        mtp, verify = by_label.get(f"MTP step k={k}", {}), by_label.get(f"verify k={k}", {})
+        if mtp.get("ms_per_step") and verify.get("ms_per_step"):
+            mtp["drafting_ms_per_step"] = mtp["ms_per_step"] - verify["ms_per_step"]
+            mtp["note"] += f"; drafting {mtp['drafting_ms_per_step']:.2f} ms"
+    if b.model.mtp is not None:  # the step-cost table's row these measurements give (engine/spec_costs.json)
+        model_bytes = ModelBytes.of(b.model, b.dtype.itemsize, slot_bytes(b.config, b.dtype))
+        row = fit_costs(points, StepCost(model_bytes, DeviceCosts(b.bandwidth)))
+        if row is not None:
+            note = ", ".join(f"{k} {row[k] * 1e3:.3f} ms" for k in ("step_s", "verify_s", "draft_s"))
+            points.append({"label": "spec_costs.json row", "row": row, "note": note})
+    return points + speculative_points(b, 1, s.verify_prompt, s.speculative_new, "e2e")
 
 
 RUNNERS: dict[str, tuple[str, Callable[[Bench], list[dict[str, Any]]]]] = {

@@ -1,7 +1,7 @@
 """Kernel ops used by the model. Each op lives in its own folder beside its plain-torch reference;
 `engine.kernels.dispatch` picks the implementation in one place."""
 
-from engine.kernels.attention import attention
+from engine.kernels.attention import attention, store_kv
 from engine.kernels.conv1d import causal_conv1d
 from engine.kernels.deltanet_gate import deltanet_gate
 from engine.kernels.deltanet_step import deltanet_step
@@ -48,4 +48,5 @@ __all__ = [
     "rotary_cos_sin",
     "sample_filtered",
     "sigmoid_gate",
+    "store_kv",
 ]

@@ -51,3 +51,14 @@ class GatedAttention(nn.Module):
         q, k = kernels.qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
         out = kernels.attention(q, k, v, kv.k, kv.v, layout, d**-0.5, kv.k_scale, kv.v_scale)  # [T, Hq, D]
         return self.o_proj(kernels.sigmoid_gate(out, gate).reshape(t, self.num_heads * d))
+
+    def store_kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV, layout: SeqLayout
+    ) -> None:
+        """Write the keys and values of x [T, H] at the layout's positions, as `forward` does first, without
+        attending (the MTP head's cache kept whole at a step that drafts nothing)."""
+        t, d = x.shape[0], self.head_dim
+        _, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        k, v = k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
+        _, k = kernels.qk_norm_rotary(k, k, self.k_norm.weight, self.k_norm.weight, cos, sin, self.k_norm.eps)
+        kernels.store_kv(k, v, kv.k, kv.v, layout, kv.k_scale, kv.v_scale)

@@ -105,3 +105,13 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary(layout.positions(next_ids.device))
         kv = cache.mtp_layers[step % len(cache.mtp_layers)]
         return self.mtp(self.model.embed_tokens(next_ids), hidden, cos, sin, kv, layout, step)
+
+    def mtp_store_kv(
+        self, next_ids: torch.Tensor, hidden: torch.Tensor, layout: SeqLayout, cache: ModelCache
+    ) -> None:
+        """The MTP head's K/V at the layout's positions, as `mtp_hidden` writes them, without its output: what
+        a step that drafts nothing needs so that later drafts read no holes."""
+        if self.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP head (no mtp.* tensors)")
+        cos, sin = self.rotary(layout.positions(next_ids.device))
+        self.mtp.store_kv(self.model.embed_tokens(next_ids), hidden, cos, sin, cache.mtp_layers[0], layout)

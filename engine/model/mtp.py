@@ -41,3 +41,18 @@ class MTPHead(nn.Module):
         x = torch.cat((self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)), dim=-1)
         x, residual = self.layers[step % len(self.layers)](self.fc(x), None, cos, sin, kv, layout)
         return self.norm.add(x, residual)[0]
+
+    def store_kv(
+        self,
+        next_embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: PagedKV,
+        layout: SeqLayout,
+        step: int = 0,
+    ) -> None:
+        """Only the K/V `forward` writes: fc, the layer's input norm and its key/value projections."""
+        x = torch.cat((self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)), dim=-1)
+        layer = self.layers[step % len(self.layers)]
+        layer.self_attn.store_kv(layer.input_layernorm(self.fc(x)), cos, sin, kv, layout)

@@ -35,7 +35,8 @@ def test_tiny_quick_run_writes_the_report(tmp_path):
     assert set(report["workloads"]) == {"a", "b", "f"}
     points = [p for letter in "abf" for p in report["workloads"][letter]]
     assert not [p for p in points if "error" in p]
-    for p in points:
+    measured = [p for p in points if "e2e" not in p["label"] and "row" not in p]  # no roofline: e2e, the fit
+    for p in measured:
         assert p["tokens_per_s"] > 0 and not p["capped"]
         assert p["bytes_per_token"]["total"] > 0 and p["pct_of_roofline"] > 0
 
@@ -46,6 +47,12 @@ def test_tiny_quick_run_writes_the_report(tmp_path):
     for k in (1, 2, 3):
         assert verify[f"verify k={k}"]["ratio_vs_plain"] > 0
         assert verify[f"MTP step k={k}"]["ratio_vs_plain"] > 0  # the tiny preset has an MTP head
+        assert "drafting_ms_per_step" in verify[f"MTP step k={k}"]
+    assert verify["e2e plain"]["tokens_per_s"] > 0
+    assert set(verify["spec_costs.json row"]["row"]) == {"bytes_per_s", "step_s", "verify_s", "draft_s"}
+    for k, length in ((1, 1.8), (2, 2.4), (3, 3.39)):
+        point = verify[f"e2e AL {length} k={k}"]
+        assert point["matches_plain"] and point["speedup_vs_plain"] > 0 and point["mean_accepted_length"] > 1
 
 
 def test_repeat_runs_each_workload_again_in_the_same_process(tmp_path):

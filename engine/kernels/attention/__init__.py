@@ -3,7 +3,7 @@
 import torch
 
 from engine.kernels import dispatch
-from engine.kernels.attention import reference
+from engine.kernels.attention import fp8_kv, reference
 from engine.kernels.layout import SeqLayout
 
 dispatch.register("attention", torch=reference.attention, triton="engine.kernels.attention.triton:attention")
@@ -35,3 +35,17 @@ def attention(
         [T, Hq, D] in q's dtype.
     """
     return dispatch.pick("attention", q)(q, k, v, k_cache, v_cache, layout, scale, k_scale, v_scale)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layout: SeqLayout,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Write new keys/values [T, Hkv, D] at the layout's positions, as `attention` does before attending
+    (quantised, with their scales, into an FP8 cache)."""
+    fp8_kv.write(k, v, k_cache, v_cache, layout.slot_mapping(k.device), k_scale, v_scale)
