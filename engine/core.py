@@ -95,7 +95,7 @@ class EngineCore:
                 self.cache.mtp_layers[0].k.element_size() if self.cache.mtp_layers else dtype.itemsize
             )
             costs = ModelBytes.of(model, kv_itemsize, slot_bytes(model.config, dtype))
-            policy = SpeculationPolicy(StepCost(costs, device_costs(device)), k)
+            policy = SpeculationPolicy(StepCost(costs, device_costs(device)), k, mode.verify_seqs)
         self.runner = ModelRunner(model, self.cache, plan, k, drafter, mtp_hidden, decode_graphs, policy)
         self.graphs = decode_graphs
         if decode_graphs is not None and options.kernels.graph_capture_len:

@@ -94,7 +94,13 @@ class Engine:
         self._grammars: GrammarCompiler | None = None
         num_mtp = len(model.mtp.layers) if model.mtp is not None and k else 0
         self.max_num_seqs, self.plan = plan_for(
-            config, dtype, device, options, max_model_len=self.max_model_len, num_mtp_layers=num_mtp
+            config,
+            dtype,
+            device,
+            options,
+            max_model_len=self.max_model_len,
+            num_mtp_layers=num_mtp,
+            verify_seqs=mode.verify_seqs,
         )
         # The options as served: what was left unset, worked out.
         self.options = options.with_flat(

@@ -106,9 +106,12 @@ def plan_for(
     *,
     max_model_len: int,
     num_mtp_layers: int = 0,
+    verify_seqs: int | None = None,
 ) -> tuple[int, CachePlan]:
     """`max_num_seqs` (the option's, or sized from the budget: `affordable_seqs` on CUDA, CPU_MAX_NUM_SEQS
-    elsewhere) and the cache plan for the options' serving and cache settings."""
+    elsewhere) and the cache plan for the options' serving and cache settings. `verify_seqs`: the most
+    sequences a step verifies drafts for (adaptive speculation), whose k scratch slots each are all the plan
+    sets aside for verifying; None: every sequence."""
     serving, cache = options.serving, options.cache
     k = options.speculation.num_speculative_tokens or 0  # unset: `Engine` resolves it first
     max_num_seqs = serving.max_num_seqs
@@ -130,6 +133,7 @@ def plan_for(
         block_size=cache.block_size,
         max_prefixes=cache.max_prefixes,
         kv_dtype=kv_cache_dtype(cache.kv_cache_dtype, dtype),
+        verify_seqs=verify_seqs,
     )
     if max_num_seqs is None:
         max_num_seqs = affordable_seqs(config, dtype, budget, **sizes)
@@ -149,12 +153,14 @@ def plan_cache(
     block_size: int = 16,
     max_prefixes: int = 4,
     kv_dtype: torch.dtype | None = None,
+    verify_seqs: int | None = None,
 ) -> CachePlan:
-    """Slots and KV blocks (of `kv_dtype`, default `dtype`) for `max_num_seqs` sequences in the budget."""
+    """Slots and KV blocks (of `kv_dtype`, default `dtype`) for `max_num_seqs` sequences in the budget;
+    verify scratch slots for `verify_seqs` of them (None: all)."""
     per_slot = slot_bytes(config, dtype)
     per_block = block_bytes(config, kv_dtype or dtype, block_size, num_mtp_layers)
     slots = max_num_seqs + max_prefixes
-    scratch = max_num_seqs * num_speculative_tokens
+    scratch = min(max_num_seqs, verify_seqs or max_num_seqs) * num_speculative_tokens
     left = budget_bytes - (slots + scratch) * per_slot
     # A sequence may hold 2k positions past its end: k drafts being verified and k being proposed.
     per_seq = -(-(max_model_len + 2 * num_speculative_tokens) // block_size)
@@ -181,16 +187,20 @@ def affordable_seqs(
     max_prefixes: int = 4,
     cap: int = MAX_AUTO_SEQS,
     kv_dtype: torch.dtype | None = None,
+    verify_seqs: int | None = None,
 ) -> int:
     """`max_num_seqs` sized from the budget: as many sequences as fit with their state and verify scratch
     slots in STATE_SHARE of it, or more when the rest still holds each of them at `max_model_len` positions
     (short contexts); fewer when the KV blocks left would not hold one sequence of `max_model_len` positions
     (a 1M-token context's 20 GiB) and fewer slots let them; at most `cap`, at least 1 (`plan_cache` then
     says when even that does not fit)."""
-    per_slot = slot_bytes(config, dtype) * (1 + num_speculative_tokens)
+    one_slot = slot_bytes(config, dtype)
+    # Verify scratch: k slots per sequence, or (adaptive speculation) for `verify_seqs` sequences at most.
+    per_slot = one_slot * (1 + (0 if verify_seqs else num_speculative_tokens))
     per_block = block_bytes(config, kv_dtype or dtype, block_size, num_mtp_layers)
     per_seq_kv = -(-(max_model_len + 2 * num_speculative_tokens) // block_size) * per_block
-    left = budget_bytes - max_prefixes * slot_bytes(config, dtype)
+    scratch = (verify_seqs or 0) * num_speculative_tokens * one_slot
+    left = budget_bytes - max_prefixes * one_slot - scratch
     by_share = int(STATE_SHARE * left) // per_slot if per_slot else cap
     at_full_length = left // (per_slot + per_seq_kv) if per_slot + per_seq_kv else cap
     one_long = (left - per_seq_kv) // per_slot if per_slot else cap  # seqs leaving one full context's KV

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.cache import ModelCache
+from engine.errors import EngineError
 from engine.graphs import DecodeGraphs
 from engine.kernels import SeqLayout
 from engine.model.model import CausalLM
@@ -241,6 +242,8 @@ class ModelRunner:
             if item.drafts:
                 base = self.plan.num_slots + verifying * self.k
                 verifying += 1
+                if base + len(item.drafts) > self.plan.total_slots:  # the policy keeps within the scratch
+                    raise EngineError(f"{verifying} sequences verify drafts, past the plan's scratch slots")
                 state_out.append((*range(base, base + len(item.drafts)), seq.slot))
             else:
                 state_out.append(())

@@ -23,6 +23,10 @@ from engine.options import SpeculationOptions
 from engine.spec_cost import StepCost
 
 ADAPTIVE_MAX_K = 3  # most drafts per step when the options leave k to the policy
+# Most sequences one adaptive step verifies drafts for. Each needs k scratch state slots (61 MiB each at the
+# full geometry), so sizing them for every sequence would cut the batch by 1 + k; sized for these, adaptive
+# speculation leaves max_num_seqs as without it, and a larger decoding batch runs at k = 0.
+ADAPTIVE_MAX_SEQS = 32
 PRIOR = 0.6  # per-position acceptance assumed before a request's first verify step
 PRIOR_WEIGHT = 2.0  # ... worth this many drafts tried
 DECAY = 0.9  # weight of the evidence so far at each new verify step: about the last 10 steps count
@@ -37,6 +41,7 @@ class SpeculationMode:
 
     k: int
     adaptive: bool
+    verify_seqs: int | None = None  # most sequences a step verifies drafts for; None: every sequence
 
 
 def speculation_mode(options: SpeculationOptions, has_drafter: bool, device: torch.device) -> SpeculationMode:
@@ -48,7 +53,7 @@ def speculation_mode(options: SpeculationOptions, has_drafter: bool, device: tor
     if n == 0 or (n is None and not has_drafter):
         return SpeculationMode(0, False)
     if policy == "adaptive" or (policy == "auto" and n is None and device.type == "cuda"):
-        return SpeculationMode(n or ADAPTIVE_MAX_K, True)
+        return SpeculationMode(n or ADAPTIVE_MAX_K, True, ADAPTIVE_MAX_SEQS)
     return SpeculationMode(n or 0, False)
 
 
@@ -75,11 +80,13 @@ class Acceptance:
 
 
 class SpeculationPolicy:
-    """Chooses each step's k (at most `max_k`) from the requests' acceptance and the step's cost."""
+    """Chooses each step's k (at most `max_k`) from the requests' acceptance and the step's cost; 0 for a
+    decoding batch larger than `max_seqs` (the verify scratch slots are sized for that many)."""
 
-    def __init__(self, cost: StepCost, max_k: int) -> None:
+    def __init__(self, cost: StepCost, max_k: int, max_seqs: int | None = None) -> None:
         self.cost = cost
         self.max_k = max_k
+        self.max_seqs = max_seqs
         self._acceptance: weakref.WeakKeyDictionary[Hashable, Acceptance] = weakref.WeakKeyDictionary()
         # Every request's verify steps together, slowly decayed: a new request's prior (so that with a head
         # whose drafts are wrong, new requests do not each pay a few verify steps to learn it).
@@ -126,6 +133,9 @@ class SpeculationPolicy:
 
     def choose(self, seqs: list[Hashable], context: float) -> int:
         """The next step's k for `seqs` (the requests that will decode in it) at mean `context`."""
+        if self.max_seqs is not None and len(seqs) > self.max_seqs:  # no scratch slots for them all
+            self.chosen[0] = self.chosen.get(0, 0) + 1
+            return 0
         k = self.best_k([self.rate(s) for s in seqs], context)
         probe = False
         if k:

@@ -214,3 +214,23 @@ def test_the_warm_up_leaves_the_policy_as_new(adaptive, mtp_dir, reference):
         assert policy.chosen == {} and policy.idle_steps == 0  # the synthetic requests' choices forgotten
         assert tokens(e.generate(prompts, GREEDY)) == expected
         assert policy.chosen
+
+
+def test_a_decoding_batch_past_the_verify_seqs_runs_at_k0_and_equals_plain(
+    adaptive, mtp_dir, reference, monkeypatch
+):
+    """The scratch slots are sized for ADAPTIVE_MAX_SEQS verifying sequences: with more decoding, steps run at
+    k = 0, with fewer they may draft; the output is plain decoding's either way."""
+    from engine import spec_policy
+
+    monkeypatch.setattr(spec_policy, "ADAPTIVE_MAX_SEQS", 2)
+    prompts, expected = reference
+    truth = {tuple(p): out for p, out in zip(prompts, expected, strict=True)}
+    vocab = engine(mtp_dir).config.vocab_size
+    with engine(mtp_dir, drafter=OracleDrafter(truth, 3, vocab)) as e:
+        assert e.plan.num_scratch_slots == 2 * e.num_speculative_tokens
+        assert e.core.runner.policy.max_seqs == 2
+        assert tokens(e.generate(prompts, GREEDY)) == expected  # 8 decoding: every step at k = 0
+        assert set(chosen(e)) == {0} and e.stats().draft_tokens == 0
+        assert tokens(e.generate(prompts[:2], GREEDY)) == expected[:2]  # 2: they draft
+        assert e.stats().draft_tokens > 0

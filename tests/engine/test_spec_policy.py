@@ -15,6 +15,7 @@ from engine.model.model import CausalLM
 from engine.options import SpeculationOptions
 from engine.spec_cost import DeviceCosts, ModelBytes, StepCost, costs_for, device_costs
 from engine.spec_policy import (
+    ADAPTIVE_MAX_SEQS,
     PRIOR,
     PROBE_FIRST,
     Acceptance,
@@ -171,13 +172,13 @@ def test_a_new_request_starts_from_every_requests_recent_acceptance(full):
 @pytest.mark.parametrize(
     ("n", "env", "device", "has_head", "expected"),
     [
-        (None, "auto", "cuda", True, SpeculationMode(3, True)),  # on by default with an MTP head
+        (None, "auto", "cuda", True, SpeculationMode(3, True, ADAPTIVE_MAX_SEQS)),  # on with an MTP head
         (None, "auto", "cuda", False, SpeculationMode(0, False)),
         (None, "auto", "cpu", True, SpeculationMode(0, False)),
         (2, "auto", "cuda", True, SpeculationMode(2, False)),  # a number forces a fixed k
         (0, "auto", "cuda", True, SpeculationMode(0, False)),
-        (None, "adaptive", "cpu", True, SpeculationMode(3, True)),
-        (2, "adaptive", "cpu", True, SpeculationMode(2, True)),
+        (None, "adaptive", "cpu", True, SpeculationMode(3, True, ADAPTIVE_MAX_SEQS)),
+        (2, "adaptive", "cpu", True, SpeculationMode(2, True, ADAPTIVE_MAX_SEQS)),
         (None, "fixed", "cuda", True, SpeculationMode(0, False)),
         (3, "fixed", "cuda", True, SpeculationMode(3, False)),
     ],
@@ -198,3 +199,39 @@ def test_reset_forgets_estimates_and_counts(full):
     assert policy.rate(seq) < 0.2 and policy.chosen and policy.idle_steps
     policy.reset()
     assert policy.rate(seq) == PRIOR and not policy.chosen and policy.idle_steps == 0
+
+
+def test_a_batch_past_the_scratch_slots_runs_at_k0(full):
+    """Adaptive speculation's verify scratch holds `max_seqs` sequences: a larger decoding batch gets k = 0,
+    though its drafts would pay."""
+    policy = SpeculationPolicy(cost(full[0]), 3, max_seqs=64)
+    seqs = [Seq() for _ in range(65)]
+    for seq in seqs:
+        for _ in range(20):
+            policy.observe(seq, 3, 3)  # every draft kept
+    assert policy.choose(seqs[:64], 100) > 0
+    assert policy.choose(seqs, 100) == 0
+    assert SpeculationPolicy(cost(full[0]), 3).choose(seqs, 100) > 0  # no cap: the same batch speculates
+
+
+def test_adaptive_plans_scratch_for_its_verify_seqs_only(full):
+    """Fixed k sets aside k scratch slots per sequence (61 MiB each at the full geometry), shrinking the batch
+    a budget affords by about 1 + k; adaptive speculation sets aside k per verifying sequence, so the batch
+    stays about what it is without speculation."""
+    from engine.planner import affordable_seqs, plan_cache
+
+    config = full[1]
+    budget = 60 * 2**30
+    sizes = dict(max_model_len=4096, num_mtp_layers=1, block_size=16, max_prefixes=4)
+    plain = affordable_seqs(config, torch.bfloat16, budget, num_speculative_tokens=0, **sizes)
+    fixed = affordable_seqs(config, torch.bfloat16, budget, num_speculative_tokens=3, **sizes)
+    adaptive = affordable_seqs(
+        config, torch.bfloat16, budget, num_speculative_tokens=3, verify_seqs=32, **sizes
+    )
+    assert fixed < plain / 2 and adaptive > 0.8 * plain, (plain, fixed, adaptive)
+    plan = plan_cache(config, torch.bfloat16, budget, max_num_seqs=adaptive, num_speculative_tokens=3,
+                      verify_seqs=32, **sizes)  # fmt: skip
+    assert plan.num_scratch_slots == 32 * 3 and plan.nbytes <= budget
+    small = plan_cache(config, torch.bfloat16, budget, max_num_seqs=8, num_speculative_tokens=3,
+                       verify_seqs=32, **sizes)  # fmt: skip
+    assert small.num_scratch_slots == 8 * 3
