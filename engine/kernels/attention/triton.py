@@ -27,7 +27,7 @@ import triton.language as tl
 
 from engine.env import engine_env
 from engine.kernels import dispatch
-from engine.kernels.attention import fp8_kv, reference
+from engine.kernels.attention import fp8_kv, prefill, reference
 from engine.kernels.layout import SeqLayout
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
@@ -456,10 +456,12 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     fp8_products: bool | None = None,
+    prefill_kernel: str | None = None,
 ) -> torch.Tensor:
     """`attention` with the tiling exposed: `num_splits` key slices per (short sequence, kv head) (None:
     chosen from the batch and context sizes; 1: no split), `block_n` keys per step (None: 64 on the short
-    path, chosen by dtype on the long one), `block_m` new tokens per prefill tile (None: chosen by dtype).
+    path, chosen by dtype on the long one), `block_m` new tokens per prefill tile of the rows kernel, rows
+    (tokens x query heads of a kv head) of the packed one (None: chosen by dtype).
 
     Args:
         q: [T, Hq, D] queries; k, v: [T, Hkv, D] new keys/values.
@@ -467,6 +469,8 @@ def paged_attention(
         k_scale, v_scale: [num_blocks, block_size, Hkv] contiguous fp32 scales of an FP8 cache, else None.
         fp8_products: with an FP8 cache, run the prefill kernel's QK and PV products in e4m3 (queries and
             softmax weights quantised per row); None: as ENCLAVE_FP8_ATTENTION says (default off).
+        prefill_kernel: `rows` or `packed` (`prefill`) for the long sequences; None: as
+            ENCLAVE_PREFILL_KERNEL says (default rows). The e4m3 products run on the rows kernel.
         layout: the batch's sequences and block tables.
         scale: softmax scale.
     Returns:
@@ -492,7 +496,11 @@ def paged_attention(
             if fp8_products is None:
                 fp8_products = engine_env().fp8_attention
             fp8_dot = scales is not None and fp8_products
-            _long(q, k_cache, v_cache, scales, layout, scale, out, block_m, block_n, fp8_dot)
+            kernel = prefill_kernel or engine_env().prefill_kernel
+            if kernel == "packed" and not fp8_dot:
+                _long_packed(q, k_cache, v_cache, scales, layout, scale, out, block_m, block_n)
+            else:
+                _long(q, k_cache, v_cache, scales, layout, scale, out, block_m, block_n, fp8_dot)
         else:
             rows = [None if t is None else t.view(-1, hkv) for t in (k_scale, v_scale)]
             reference.long_sequences(
@@ -629,6 +637,18 @@ def _long(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, b
         EXACT_E4M3=fp8_dot and engine_env().triton_interpret,
         num_warps=8 if block_m * block_d >= 64 * 256 else 4,
         num_stages=2,
+    )
+
+
+def _long_packed(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, block_n) -> None:
+    """Every long sequence in one launch of the packed kernel over (kv head, tile of new tokens)."""
+    group = q.shape[1] // k_cache.shape[2]
+    rows, keys, warps, stages = prefill.tiling(q.dtype, group, block_m, block_n)
+    tables, info = _seq_index(layout, "long", q.device)
+    tiles = _prefill_tiles(layout, rows // group, q.device)
+    dispatch.choose("attention", "triton-prefill-packed")
+    prefill.prefill_packed(
+        q, k_cache, v_cache, scales, tables, info, tiles, scale, out, rows, keys, warps, stages
     )
 
 
