@@ -68,7 +68,11 @@ def qkv_proj_out(t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor
 
 
 def attention_call(
-    dtype: torch.dtype, lay: SeqLayout, fp8_cache: bool = False, fp8_products: bool = False
+    dtype: torch.dtype,
+    lay: SeqLayout,
+    fp8_cache: bool = False,
+    fp8_products: bool = False,
+    prefill_kernel: str | None = None,
 ) -> None:
     c = qwen()
     t = lay.num_tokens
@@ -79,13 +83,14 @@ def attention_call(
     shape = (blocks, KV_BLOCK, c.num_key_value_heads, c.head_dim)
     cache = [empty(*shape, dtype=FP8 if fp8_cache else dtype) for _ in "kv"]
     scales = [empty(*shape[:3], dtype=FP32) for _ in "kv"] if fp8_cache else [None, None]
-    if fp8_products:
+    if fp8_products or prefill_kernel:
         from engine.kernels.attention import triton as attention_triton
 
         k_scale, v_scale = scales
         attention_triton.paged_attention(
-            q, k, v, *cache, lay, c.head_dim**-0.5, k_scale=k_scale, v_scale=v_scale, fp8_products=True
-        )
+            q, k, v, *cache, lay, c.head_dim**-0.5, k_scale=k_scale, v_scale=v_scale,
+            fp8_products=fp8_products, prefill_kernel=prefill_kernel,
+        )  # fmt: skip
         return
     kernels.attention(q, k, v, *cache, lay, c.head_dim**-0.5, *scales)
 
@@ -112,6 +117,10 @@ def attention() -> None:
     for lens in (((1,), (100,)), ((4,), (4224,)), ((100, 1), (0, 50))):
         attention_call(BF16, layout(*lens), fp8_cache=True)
     attention_call(BF16, layout((100,), (50,)), fp8_cache=True, fp8_products=True)
+    # The packed prefill kernel (ENCLAVE_PREFILL_KERNEL=packed): bf16 and fp32 caches, an FP8 one.
+    for dtype in (BF16, FP32):
+        attention_call(dtype, layout((100, 1), (0, 50)), prefill_kernel="packed")
+    attention_call(BF16, layout((100, 1), (0, 50)), fp8_cache=True, prefill_kernel="packed")
 
 
 def qk_norm_rotary() -> None:
