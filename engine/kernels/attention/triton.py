@@ -640,10 +640,13 @@ def _long(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, b
     )
 
 
-def _long_packed(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, block_n) -> None:
-    """Every long sequence in one launch of the packed kernel over (kv head, tile of new tokens)."""
+def _long_packed(
+    q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, block_n, config=None
+) -> None:
+    """Every long sequence in one launch of the packed kernel over (kv head, tile of new tokens); `config`
+    (rows, keys, warps, stages) overrides the tiling (benchmarks/attention_prefill.py --sweep)."""
     group = q.shape[1] // k_cache.shape[2]
-    rows, keys, warps, stages = prefill.tiling(q.dtype, group, block_m, block_n)
+    rows, keys, warps, stages = config or prefill.tiling(q.dtype, group, block_m, block_n)
     tables, info = _seq_index(layout, "long", q.device)
     tiles = _prefill_tiles(layout, rows // group, q.device)
     dispatch.choose("attention", "triton-prefill-packed")
