@@ -86,17 +86,18 @@ def _packed_block(
     else:
         k = tl.load(k_ptr + k_offs).to(q.dtype)
         v = tl.load(v_ptr + v_offs).to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], natural units
     if USE_KV_SCALE:
         row = flat * NUM_KV_HEADS  # [BLOCK_N] scale index (the head is in ks_ptr)
         s = s * tl.load(ks_ptr + row, mask=kv_ok, other=0.0)[None, :]
         v = (v.to(tl.float32) * tl.load(vs_ptr + row, mask=kv_ok, other=0.0)[:, None]).to(q.dtype)
     if IS_DIAGONAL:
         s = tl.where((pos[None, :] <= q_pos[:, None]) & kv_ok[None, :], s, float("-inf"))
-    # Every row sees the first key of the first block it reads, so m stays finite.
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Every row sees the first key of the first block it reads, so m stays finite. The softmax scale goes
+    # into the exponent's one multiply-add (scale_log2 > 0 commutes with the max).
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
