@@ -105,3 +105,37 @@ def test_tiling_defaults():
     assert prefill.tiling(torch.float32, 8)[:2] == (16, 16)  # fp32 spills above 16 x 16 at D 256
     assert prefill.tiling(torch.float16, 32, block_m=16)[0] == 32  # at least one token's heads
     assert prefill.tiling(torch.bfloat16, 8, block_m=64, block_n=32)[2] == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fp8_cache", [False, True])
+@pytest.mark.parametrize(
+    "query_lens, context_lens",
+    [
+        ((8192,), (0,)),  # the first chunk of a long prompt
+        ((2000, 9), (14000, 0)),  # a later chunk over a long context, a short prompt
+        ((1, 1, 4, 1000, 63), (900, 20000, 40, 3000, 5)),  # decodes, verify, two chunks
+    ],
+)
+def test_real_shapes_bf16(query_lens, context_lens, fp8_cache):
+    """Qwen3.5-35B-A3B attention (16 q heads, 2 kv heads, head dim 256, blocks of 16) in bf16 through the
+    packed kernel at its default tiles against the reference in fp32 on the same inputs (cache)."""
+    q, k, v, k_cache, v_cache, layout = make_case(
+        query_lens, context_lens, hq=16, hkv=2, d=256, block_size=16, dtype=torch.bfloat16, device="cuda"
+    )
+    scales = [None, None]
+    if fp8_cache:
+        (k_cache, scales[0]), (v_cache, scales[1]) = fp8_kv.quantize(k_cache), fp8_kv.quantize(v_cache)
+    ref = [t.clone() if t is not None else None for t in (k_cache, v_cache, *scales)]
+    if not fp8_cache:
+        ref[:2] = [t.float() for t in ref[:2]]
+    expected = reference.attention(q.float(), k.float(), v.float(), *ref[:2], layout, 256**-0.5, *ref[2:])
+    dispatch.reset_usage()
+    got = attention_triton.paged_attention(
+        q, k, v, k_cache, v_cache, layout, 256**-0.5, k_scale=scales[0], v_scale=scales[1],
+        prefill_kernel="packed",
+    )  # fmt: skip
+    assert dispatch.usage()["attention"] == PACKED
+    # bf16 keeps 8 bits: inputs, softmax weights and output are each rounded once (~4e-3 relative each).
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
