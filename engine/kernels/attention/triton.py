@@ -9,6 +9,8 @@ covers one slice of the keys and writes a partial output and its log-sum-exp; a 
 Long path (varlen causal prefill): one program per (query head, tile of BLOCK_M new tokens of one long
 sequence); the tile's queries sit at positions ctx + j and see keys 0 .. ctx + j. Keys before the tile's
 first position are visible to every row and are read without the causal mask; the diagonal blocks with it.
+`prefill.py` holds its candidate replacement, the packed GQA kernel (one program per kv head and tile of
+tokens, all its query heads in the tile), chosen by ENCLAVE_PREFILL_KERNEL=packed.
 
 FP8 cache (`USE_KV_SCALE`): keys and values are e4m3 with an fp32 scale per (position, kv head) beside the
 pool (`fp8_kv`). A key tile is converted to q's dtype as stored (exact: e4m3 fits in bf16/fp16) and its
@@ -497,6 +499,8 @@ def paged_attention(
                 fp8_products = engine_env().fp8_attention
             fp8_dot = scales is not None and fp8_products
             kernel = prefill_kernel or engine_env().prefill_kernel
+            if kernel not in ("rows", "packed"):
+                raise ValueError(f"prefill_kernel must be 'rows' or 'packed', got {kernel!r}")
             if kernel == "packed" and not fp8_dot:
                 _long_packed(q, k_cache, v_cache, scales, layout, scale, out, block_m, block_n)
             else:
