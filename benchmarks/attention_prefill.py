@@ -2,7 +2,7 @@
 
     python benchmarks/attention_prefill.py [--cases 8192,32768,8192@131072,8192@524288] [--repeats 5]
         [--sweep] [--json PATH]
-    python benchmarks/attention_prefill.py --device cpu --quick      (Triton's interpreter, tiny shapes)
+    python benchmarks/attention_prefill.py --device cpu --quick      (Triton's interpreter: fp32, D 16)
 
 One sequence per case: N new tokens after C cached ones (`N@C`; `N` alone: a whole causal prompt), 16 query
 heads, 2 kv heads, head dim 256, bf16, a paged cache of 16-position blocks handed out shuffled (the block
@@ -46,7 +46,7 @@ from engine.kernels.attention import triton as attention_triton
 
 BLOCK = 16  # KV block size, the engine's default
 CASES = "8192,32768,8192@131072,8192@524288"
-QUICK_CASES = "40,24@40"
+QUICK_CASES = "40,24@40"  # tiny: seconds in the interpreter, a smoke test on a GPU
 # Packed tilings (rows, keys, warps, stages) that compile for sm_90 within its shared memory (ptxas at D
 # 256, bf16: 128 x 64 x 2 stages spills 40 bytes outside its loops; 128 x 32 none; 64 x 32 x 4 warps takes
 # 96-98 KB and 221-244 registers, so two programs share an SM and one's softmax can hide under the other's
@@ -193,17 +193,18 @@ def bench_case(n, ctx, args, hq, hkv, d, dtype, device, configs) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (fp32, D 16), for a CPU run")
+    parser.add_argument("--quick", action="store_true", help=f"tiny cases ({QUICK_CASES}) for a smoke run")
     parser.add_argument("--cases", help=f"N or N@C, comma-separated (default {CASES})")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sweep", action="store_true", help="time the packed kernel at each SWEEP tiling")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    if args.quick or device.type == "cpu":
-        hq, hkv, d, dtype, default_cases = 16, 2, 16, torch.float32, QUICK_CASES
+    if device.type == "cpu":  # the interpreter: fp32 (its bf16 dots are wrong), a small head dim
+        hq, hkv, d, dtype = 16, 2, 16, torch.float32
     else:
-        hq, hkv, d, dtype, default_cases = 16, 2, 256, torch.bfloat16, CASES
+        hq, hkv, d, dtype = 16, 2, 256, torch.bfloat16
+    default_cases = QUICK_CASES if args.quick else CASES
     default = prefill.tiling(dtype, hq // hkv)
     configs = [default, *(c for c in SWEEP if c != default)] if args.sweep else [default]
     results = []
