@@ -44,7 +44,7 @@ from engine.kernels import SeqLayout
 from engine.kernels.attention import prefill
 from engine.kernels.attention import triton as attention_triton
 
-BLOCK = 16  # KV block size, the engine's default
+BLOCK = 16  # KV block size, the engine's default (--block-size: 64 and up give the packed kernel whole pages)
 CASES = "8192,32768,8192@131072,8192@524288"
 QUICK_CASES = "40,24@40"  # tiny: seconds in the interpreter, a smoke test on a GPU
 # Packed tilings (rows, keys, warps, stages) that compile for sm_90 within its shared memory (ptxas at D
@@ -77,24 +77,24 @@ def causal_flops(n: int, ctx: int, hq: int, d: int) -> int:
     return 4 * d * hq * (n * ctx + n * (n + 1) // 2)
 
 
-def make_inputs(n, ctx, hq, hkv, d, dtype, device, seed=0):
+def make_inputs(n, ctx, hq, hkv, d, dtype, device, block=BLOCK, seed=0):
     """Queries [N, Hq, D], all keys/values [S, Hkv, D], and paged caches holding them in shuffled blocks."""
     s = ctx + n
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(n, hq, d, generator=gen, device=device, dtype=dtype)
     k = torch.randn(s, hkv, d, generator=gen, device=device, dtype=dtype)
     v = torch.randn(s, hkv, d, generator=gen, device=device, dtype=dtype)
-    blocks = -(-s // BLOCK)
+    blocks = -(-s // block)
     table = list(range(blocks))
     random.Random(seed).shuffle(table)
-    k_cache = torch.zeros(blocks, BLOCK, hkv, d, device=device, dtype=dtype)
+    k_cache = torch.zeros(blocks, block, hkv, d, device=device, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     pos = torch.arange(s, device=device)
-    rows = torch.tensor(table, device=device)[pos // BLOCK] * BLOCK + pos % BLOCK
+    rows = torch.tensor(table, device=device)[pos // block] * block + pos % block
     k_cache.view(-1, hkv, d)[rows] = k
     v_cache.view(-1, hkv, d)[rows] = v
     layout = SeqLayout(
-        query_lens=(n,), context_lens=(ctx,), slots=(0,), block_tables=(tuple(table),), block_size=BLOCK
+        query_lens=(n,), context_lens=(ctx,), slots=(0,), block_tables=(tuple(table),), block_size=block
     )
     return q, k, v, k_cache, v_cache, layout
 
@@ -163,7 +163,7 @@ def time_ms(fn, repeats: int) -> float:
 
 
 def bench_case(n, ctx, args, hq, hkv, d, dtype, device, configs) -> list[dict]:
-    q, k, v, k_cache, v_cache, layout = make_inputs(n, ctx, hq, hkv, d, dtype, device)
+    q, k, v, k_cache, v_cache, layout = make_inputs(n, ctx, hq, hkv, d, dtype, device, args.block_size)
     flops = causal_flops(n, ctx, hq, d)
     reference, variant = sdpa(q, k, v, n, ctx)
     expected = reference().float()
@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help=f"tiny cases ({QUICK_CASES}) for a smoke run")
     parser.add_argument("--cases", help=f"N or N@C, comma-separated (default {CASES})")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--block-size", type=int, default=BLOCK, help="positions per KV cache block")
     parser.add_argument("--sweep", action="store_true", help="time the packed kernel at each SWEEP tiling")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
         torch=torch.__version__,
-        shape=dict(hq=hq, hkv=hkv, d=d, dtype=str(dtype).removeprefix("torch."), block=BLOCK),
+        shape=dict(hq=hq, hkv=hkv, d=d, dtype=str(dtype).removeprefix("torch."), block=args.block_size),
         results=results,
         best=best_configs(results),
     )

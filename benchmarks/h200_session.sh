@@ -38,7 +38,10 @@ for step in $STEPS; do
       done ;;
     attention)  # prefill attention (issue 19): rows and packed kernels (every sweep tiling) against flash SDPA
       run attention "${ATTENTION_LIMIT:-180}" python benchmarks/attention_prefill.py --sweep \
-        --json "$OUT/attention_prefill.json" ;;
+        --json "$OUT/attention_prefill.json"
+      # 64-position cache blocks: the packed kernel's one-table-read-per-tile path
+      run attention_block64 60 python benchmarks/attention_prefill.py --block-size 64 --cases 8192,8192@131072 \
+        --json "$OUT/attention_prefill_block64.json" ;;
     profile) run profile 150 python benchmarks/profile_step.py --out "$OUT" --rows 30 ;;
     fp8_tests) run fp8_tests 200 python -m pytest -q -p no:cacheprovider $CUT -m gpu \
         tests/engine/kernels/test_moe_fp8_triton.py tests/engine/kernels/test_fp8_triton.py \
