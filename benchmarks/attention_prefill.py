@@ -10,7 +10,7 @@ table is no run). Three implementations attend the same queries over the same ke
 - `rows`: the current prefill kernel (`triton._prefill_attention_kernel`, one program per query head and 64
   tokens);
 - `packed`: the packed GQA kernel (`prefill._prefill_packed_kernel`, one program per kv head and 16 tokens x
-  8 query heads), at its default tiles or, with `--sweep`, at each of `SWEEP`'s;
+  8 query heads), at its default tiles or, with `--sweep`, at each of `prefill.SWEEP_TILES`;
 - `sdpa`: torch's SDPA on the FLASH_ATTENTION backend over contiguous [1, H, S, D] tensors with
   `enable_gqa` (repeated kv heads if this torch's flash path refuses GQA). A chunk after a context needs the
   causal mask aligned to the bottom right (query j sees keys 0 .. C + j): `causal_lower_right(N, C + N)`,
@@ -47,20 +47,6 @@ from engine.kernels.attention import triton as attention_triton
 BLOCK = 16  # KV block size, the engine's default (--block-size: 64 and up give the packed kernel whole pages)
 CASES = "8192,32768,8192@131072,8192@524288"
 QUICK_CASES = "40,24@40"  # tiny: seconds in the interpreter, a smoke test on a GPU
-# Packed tilings (rows, keys, warps, stages) that compile for sm_90 within its shared memory (ptxas at D
-# 256, bf16: 128 x 64 x 2 stages spills 40 bytes outside its loops; 128 x 32 none; 64 x 32 x 4 warps takes
-# 96-98 KB and 221-244 registers, so two programs share an SM and one's softmax can hide under the other's
-# wgmma, at twice the key/value bytes per FLOP).
-SWEEP = [
-    (128, 64, 8, 2),
-    (128, 64, 8, 1),
-    (128, 32, 8, 2),
-    (128, 32, 8, 3),
-    (128, 16, 8, 4),
-    (64, 64, 4, 2),
-    (64, 32, 4, 2),
-    (64, 32, 4, 3),
-]
 
 
 def parse_cases(text: str) -> list[tuple[int, int]]:
@@ -197,7 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cases", help=f"N or N@C, comma-separated (default {CASES})")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--block-size", type=int, default=BLOCK, help="positions per KV cache block")
-    parser.add_argument("--sweep", action="store_true", help="time the packed kernel at each SWEEP tiling")
+    parser.add_argument(
+        "--sweep", action="store_true", help="the packed kernel at each tiling of prefill.SWEEP_TILES"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -207,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
         hq, hkv, d, dtype = 16, 2, 256, torch.bfloat16
     default_cases = QUICK_CASES if args.quick else CASES
     default = prefill.tiling(dtype, hq // hkv)
-    configs = [default, *(c for c in SWEEP if c != default)] if args.sweep else [default]
+    configs = [default, *(c for c in prefill.SWEEP_TILES if c != default)] if args.sweep else [default]
     results = []
     for n, ctx in parse_cases(args.cases or default_cases):
         results += bench_case(n, ctx, args, hq, hkv, d, dtype, device, configs)

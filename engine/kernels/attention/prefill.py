@@ -28,6 +28,21 @@ from engine.kernels.pdl import pdl_launch, pdl_wait
 # 2 stages. Unmeasured on the H200: benchmarks/attention_prefill.py --sweep picks among the alternatives.
 # fp32 rows (1 KB, dots on the FMA units) spill registers above 16 x 16, as in the rows kernel.
 DEFAULT_TILES = {2: (128, 64, 8, 2), 4: (16, 16, 4, 1)}  # element size -> (rows, keys, warps, stages)
+# The tilings (rows, keys, warps, stages) `benchmarks/attention_prefill.py --sweep` times; each compiles for
+# sm_90 within its shared memory (the compile test builds them all). ptxas at D 256, bf16: 128 x 64 x 2
+# stages 192 KB, 255 registers, 40 bytes spilled outside the key loops; 128 x 32 128 KB, none spilled;
+# 64 x 32 x 4 warps 96-98 KB and 221-244 registers, so two programs share an SM and one's softmax can hide
+# under the other's wgmma, at twice the key/value bytes per FLOP; 64 x 64 x 4 warps spills 96 bytes.
+SWEEP_TILES = [
+    (128, 64, 8, 2),
+    (128, 64, 8, 1),
+    (128, 32, 8, 2),
+    (128, 32, 8, 3),
+    (128, 16, 8, 4),
+    (64, 64, 4, 2),
+    (64, 32, 4, 2),
+    (64, 32, 4, 3),
+]
 
 
 @triton.jit

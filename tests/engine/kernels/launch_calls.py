@@ -123,6 +123,25 @@ def attention() -> None:
     attention_call(BF16, layout((100, 1), (0, 50)), fp8_cache=True, prefill_kernel="packed")
 
 
+def packed_prefill_tilings() -> None:
+    """Every tiling the attention benchmark sweeps (`prefill.SWEEP_TILES`), so the sweep runs only tilings
+    that compile and fit an H200's shared memory; plus a cache of 64-position blocks (whole-page tiles)."""
+    from engine.kernels.attention import prefill
+    from engine.kernels.attention import triton as attention_triton
+
+    c = qwen()
+    lay = layout((100,), (50,))
+    q = empty(lay.num_tokens, c.num_attention_heads, c.head_dim)
+    blocks = max(b for table in lay.block_tables for b in table) + 1
+    cache = [empty(blocks, KV_BLOCK, c.num_key_value_heads, c.head_dim) for _ in "kv"]
+    for config in prefill.SWEEP_TILES:
+        out = empty(*q.shape)
+        attention_triton._long_packed(q, *cache, None, lay, c.head_dim**-0.5, out, None, None, config)
+    pages = SeqLayout((100,), (50,), (0,), ((0, 1, 2),), 64)
+    cache = [empty(3, 64, c.num_key_value_heads, c.head_dim) for _ in "kv"]
+    attention_triton._long_packed(q, *cache, None, pages, c.head_dim**-0.5, empty(*q.shape), None, None)
+
+
 def qk_norm_rotary() -> None:
     c = qwen()
     for dtype in (BF16, FP32):
@@ -292,5 +311,15 @@ def sampling() -> None:
         kernels.sample_filtered(empty(b, v, dtype=dtype), empty(b, dtype=FP32), *extra)
 
 
-CALLS = [attention, qk_norm_rotary, rotary, sigmoid_gate, conv1d, deltanet_gate, deltanet_step, gated_delta]
+CALLS = [
+    attention,
+    packed_prefill_tilings,
+    qk_norm_rotary,
+    rotary,
+    sigmoid_gate,
+    conv1d,
+    deltanet_gate,
+    deltanet_step,
+    gated_delta,
+]
 CALLS += [norm, swiglu, sampling]

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from engine.kernels.attention import prefill
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -35,7 +37,9 @@ def test_quick_cpu_run_with_a_sweep(tmp_path):
     rows = report["results"]
     kernels = [r["kernel"] for r in rows]
     assert kernels.count("sdpa") == 1 and kernels.count("rows") == 1
-    assert kernels.count("packed") == len(bench.SWEEP) + 1  # the fp32 default, then every sweep tiling
+    assert (
+        kernels.count("packed") == len(prefill.SWEEP_TILES) + 1
+    )  # the fp32 default, then every sweep tiling
     for r in rows:
         assert "error" not in r, r
         assert r["max_err"] < 1e-5 and r["flops"] == bench.causal_flops(24, 40, 16, 16)
