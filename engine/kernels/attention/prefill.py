@@ -11,6 +11,9 @@ need no bounds mask either (they end before the sequence does). When a cache blo
 key tiles (KV_BLOCK % BLOCK_N == 0) a key tile is one contiguous run of a single block: one table read per
 tile instead of one per key.
 
+Launched without PDL, as the rows kernel: a chunk's attention runs for milliseconds, the launch gap PDL
+hides is microseconds.
+
 FP8 cache (`USE_KV_SCALE`): as the rows kernel, keys converted to q's dtype as stored with their scales on
 the score columns, values dequantised before the PV product. The e4m3 products (ENCLAVE_FP8_ATTENTION=1) stay
 with the rows kernel (`triton._long` routes them there).
@@ -21,8 +24,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from engine.kernels.pdl import pdl_launch, pdl_wait
 
 # sm_90 at D 256, bf16/fp16 (ptxas, tests/engine/kernels/test_compile_sm90.py): 128 rows x 64 keys, 8 warps,
 # 2 stages. Unmeasured on the H200: benchmarks/attention_prefill.py --sweep picks among the alternatives.
@@ -151,9 +152,7 @@ def _prefill_packed_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_KV_SCALE: tl.constexpr = False,  # an FP8 cache with per-(position, kv head) scales
     NUM_KV_HEADS: tl.constexpr = 1,
-    PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
-    pdl_wait(PDL)
     # The kv heads vary fastest over the grid: the programs of one tile read its block table together.
     h = tl.program_id(0)
     tile = tl.program_id(1)
@@ -260,5 +259,4 @@ def prefill_packed(
         NUM_KV_HEADS=hkv,
         num_warps=num_warps,
         num_stages=num_stages,
-        **pdl_launch(),
     )  # fmt: skip
