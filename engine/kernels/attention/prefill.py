@@ -30,17 +30,17 @@ import triton.language as tl
 # fp32 rows (1 KB, dots on the FMA units) spill registers above 16 x 16, as in the rows kernel.
 DEFAULT_TILES = {2: (128, 64, 8, 2), 4: (16, 16, 4, 1)}  # element size -> (rows, keys, warps, stages)
 # The tilings (rows, keys, warps, stages) `benchmarks/attention_prefill.py --sweep` times; each compiles for
-# sm_90 within its shared memory (the compile test builds them all). ptxas at D 256, bf16: 128 x 64 x 2
-# stages 192 KB, 255 registers, 40 bytes spilled outside the key loops; 128 x 32 128 KB, none spilled;
-# 64 x 32 x 4 warps 96-98 KB and 221-244 registers, so two programs share an SM and one's softmax can hide
-# under the other's wgmma, at twice the key/value bytes per FLOP; 64 x 64 x 4 warps spills 96 bytes.
+# sm_90 within its shared memory (the compile test builds them all). ptxas at D 256, bf16, 16-position cache
+# blocks: 128 x 64 x 2 stages 192 KB, 255 registers, no spills (1 stage: 128 KB, 250); 128 x 32 128 KB,
+# 222-230; 64 x 32 x 4 warps 96 KB and 250-254 registers, so two programs share an SM (65,536 registers
+# exactly) and one's softmax can hide under the other's wgmma, at twice the key/value bytes per FLOP.
+# (64 x 64 x 4 warps spills 112 bytes: left out.)
 SWEEP_TILES = [
     (128, 64, 8, 2),
     (128, 64, 8, 1),
     (128, 32, 8, 2),
     (128, 32, 8, 3),
     (128, 16, 8, 4),
-    (64, 64, 4, 2),
     (64, 32, 4, 2),
     (64, 32, 4, 3),
 ]
@@ -86,11 +86,18 @@ def _packed_block(
         v_offs = block * stride_vb + offset[:, None] * stride_vr + d[None, :]
         flat = block * KV_BLOCK + offset  # [BLOCK_N] cache row of each key
     else:
-        if IS_DIAGONAL:
-            block = tl.load(table_ptr + pos // KV_BLOCK, mask=kv_ok, other=0).to(tl.int64)
+        # start is a multiple of BLOCK_N; when that is a multiple of KV_BLOCK too, a key's place in its cache
+        # block is the same in every tile (loop-invariant) and its table entry is start's plus n // KV_BLOCK.
+        if BLOCK_N % KV_BLOCK == 0:
+            entry = start // KV_BLOCK + n // KV_BLOCK
+            offset = n % KV_BLOCK
         else:
-            block = tl.load(table_ptr + pos // KV_BLOCK).to(tl.int64)
-        offset = pos % KV_BLOCK
+            entry = pos // KV_BLOCK
+            offset = pos % KV_BLOCK
+        if IS_DIAGONAL:
+            block = tl.load(table_ptr + entry, mask=kv_ok, other=0).to(tl.int64)
+        else:
+            block = tl.load(table_ptr + entry).to(tl.int64)
         k_offs = block[:, None] * stride_kb + offset[:, None] * stride_kr + d[None, :]
         v_offs = block[:, None] * stride_vb + offset[:, None] * stride_vr + d[None, :]
         flat = block * KV_BLOCK + offset

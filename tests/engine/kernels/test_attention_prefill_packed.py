@@ -27,11 +27,13 @@ def check_packed(case, dtype, **kwargs):
 
 
 # (Hq, Hkv, D): GQA 1, 2 and 8 (Qwen's 16:2), and 3 (rows padded past TOKENS x GROUP); with cache blocks
-# smaller than, equal to and larger than the 16-key tiles (32: two key tiles per block, one table read each).
+# that divide the 16-key tiles (4, 16: a key's place in its block is the same in every tile), that neither
+# divide them nor hold whole tiles (12: each key's table entry and place computed), and that hold two whole
+# tiles (32: one table read per tile).
 HEADS = [(2, 2, 16), (4, 2, 16), (8, 1, 16), (6, 2, 16)]
 
 
-@pytest.mark.parametrize("heads, block_size, dtype", crossed(HEADS, [4, 16, 32], [F32, F16]))
+@pytest.mark.parametrize("heads, block_size, dtype", crossed(HEADS, [4, 12, 16, 32], [F32, F16]))
 def test_packed_ragged_batch(heads, block_size, dtype):
     # A prompt from position 0 (a partial last tile), a chunk after a context that is not a multiple of the
     # tiles, and a short chunk (one tile, diagonal only) after a longer context.
