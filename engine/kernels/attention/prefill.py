@@ -3,13 +3,17 @@ holds every query head of its kv head, so each key/value tile is read once for a
 
 Row r of a tile is token j0 + r // GROUP, query head kv_head * GROUP + r % GROUP (token-major, as the short
 path packs decode rows): at Qwen3.5's 16:2 heads a 128-row tile is 16 tokens x 8 heads. Against the rows
-kernel (`triton._prefill_attention_kernel`: one program per query head and 64 tokens) it moves 8x fewer
-key/value bytes per FLOP from L2 into shared memory, and its 128 rows fill two Hopper warpgroups' wgmma
-(64 rows each). The causal mask runs only on the tile's last key blocks: a tile spans TOKENS consecutive
-positions, so keys 0 .. ctx + j0 are visible to every row and go without it. Blocks wholly before the tile
-need no bounds mask either (they end before the sequence does). When a cache block holds a whole number of
-key tiles (KV_BLOCK % BLOCK_N == 0) a key tile is one contiguous run of a single block: one table read per
-tile instead of one per key.
+kernel (`triton._prefill_attention_kernel`: one program per query head and 64 tokens) it moves half the
+key/value bytes per FLOP from L2 into shared memory (an eighth of what one head's 16 tokens would), and its
+128 rows give each of two Hopper warpgroups 64 rows and every key column (wgmma 64 x 64 and 64 x 256, where
+the rows kernel's 8 warps split its 64 rows' key columns: 64 x 32 and 64 x 128, and reduce across them).
+
+The causal mask runs only on the tile's last key blocks: a tile spans TOKENS consecutive positions, so keys
+0 .. ctx + j0 are visible to every row and go without it. Blocks wholly before the tile need no bounds mask
+either (they end before the sequence does). When a cache block holds a whole number of key tiles
+(KV_BLOCK % BLOCK_N == 0) a key tile is one contiguous run of a single block: one table read per tile
+instead of one per key; when a key tile holds whole cache blocks (the engine's 16 positions) a key's place
+in its block is loop-invariant.
 
 Launched without PDL, as the rows kernel: a chunk's attention runs for milliseconds, the launch gap PDL
 hides is microseconds.
