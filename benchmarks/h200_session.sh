@@ -4,6 +4,7 @@
 #   STEPS="kernels gpu_tests batching" bash benchmarks/h200_session.sh      (one call)
 #   STEPS="bench" bash benchmarks/h200_session.sh --quick --workloads a,b     (another: calls are <= 10 min)
 #   STEPS="micro profile" ...   kernel microbenchmarks (benchmarks/kernels_*.py) and one-step profiles
+#   STEPS="attention" ...       prefill attention kernels against flash SDPA (attention_prefill.{txt,json})
 # Writes under $OUT: gpu.txt (GPU and stack), kernels.txt (kernel tests compiled on the GPU), gpu_tests.txt
 # (`-m gpu` tests), batching_*.{txt,json}, micro.txt + kernels_*.json, profile_*.txt and bench.{txt,json}.
 # The constrained step's wheel, fetched here first: `echo /.whl/ >> .git/info/exclude; python3 -m pip download
@@ -35,6 +36,12 @@ for step in $STEPS; do
     micro) for k in gated_delta moe decoder; do
         run "micro_$k" 90 python "benchmarks/kernels_$k.py" --json "$OUT/kernels_$k.json"
       done ;;
+    attention)  # prefill attention (issue 19): rows and packed kernels (every sweep tiling) against flash SDPA
+      run attention "${ATTENTION_LIMIT:-180}" python benchmarks/attention_prefill.py --sweep \
+        --json "$OUT/attention_prefill.json"
+      # 64-position cache blocks: the packed kernel's one-table-read-per-tile path
+      run attention_block64 60 python benchmarks/attention_prefill.py --block-size 64 --cases 8192,8192@131072 \
+        --json "$OUT/attention_prefill_block64.json" ;;
     profile) run profile 150 python benchmarks/profile_step.py --out "$OUT" --rows 30 ;;
     fp8_tests) run fp8_tests 200 python -m pytest -q -p no:cacheprovider $CUT -m gpu \
         tests/engine/kernels/test_moe_fp8_triton.py tests/engine/kernels/test_fp8_triton.py \

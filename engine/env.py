@@ -56,6 +56,15 @@ VARIABLES: tuple[Variable, ...] = (
         "(`kv_cache_dtype=fp8`); `0`: in the model's dtype",
     ),
     Variable(
+        "ENCLAVE_PREFILL_KERNEL",
+        "prefill_kernel",
+        "choice",
+        "rows",
+        "the attention prefill kernel: `rows` (one program per query head and 64 tokens) or `packed` (one "
+        "per kv head, all its query heads in one tile; unmeasured on the H200)",
+        ("rows", "packed"),
+    ),
+    Variable(
         "ENCLAVE_PDL",
         "pdl",
         "switch",
@@ -110,6 +119,7 @@ class EngineEnv:
     kernels: str = "auto"
     triton_prefill: bool = True
     fp8_attention: bool = False
+    prefill_kernel: str = "rows"
     pdl: bool = True
     cuda_graphs: bool = True
     async_scheduling: bool = True

@@ -9,6 +9,8 @@ covers one slice of the keys and writes a partial output and its log-sum-exp; a 
 Long path (varlen causal prefill): one program per (query head, tile of BLOCK_M new tokens of one long
 sequence); the tile's queries sit at positions ctx + j and see keys 0 .. ctx + j. Keys before the tile's
 first position are visible to every row and are read without the causal mask; the diagonal blocks with it.
+`prefill.py` holds its candidate replacement, the packed GQA kernel (one program per kv head and tile of
+tokens, all its query heads in the tile), chosen by ENCLAVE_PREFILL_KERNEL=packed.
 
 FP8 cache (`USE_KV_SCALE`): keys and values are e4m3 with an fp32 scale per (position, kv head) beside the
 pool (`fp8_kv`). A key tile is converted to q's dtype as stored (exact: e4m3 fits in bf16/fp16) and its
@@ -27,7 +29,7 @@ import triton.language as tl
 
 from engine.env import engine_env
 from engine.kernels import dispatch
-from engine.kernels.attention import fp8_kv, reference
+from engine.kernels.attention import fp8_kv, prefill, reference
 from engine.kernels.layout import SeqLayout
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
@@ -456,10 +458,12 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     fp8_products: bool | None = None,
+    prefill_kernel: str | None = None,
 ) -> torch.Tensor:
     """`attention` with the tiling exposed: `num_splits` key slices per (short sequence, kv head) (None:
     chosen from the batch and context sizes; 1: no split), `block_n` keys per step (None: 64 on the short
-    path, chosen by dtype on the long one), `block_m` new tokens per prefill tile (None: chosen by dtype).
+    path, chosen by dtype on the long one), `block_m` new tokens per prefill tile of the rows kernel, rows
+    (tokens x query heads of a kv head) of the packed one (None: chosen by dtype).
 
     Args:
         q: [T, Hq, D] queries; k, v: [T, Hkv, D] new keys/values.
@@ -467,6 +471,8 @@ def paged_attention(
         k_scale, v_scale: [num_blocks, block_size, Hkv] contiguous fp32 scales of an FP8 cache, else None.
         fp8_products: with an FP8 cache, run the prefill kernel's QK and PV products in e4m3 (queries and
             softmax weights quantised per row); None: as ENCLAVE_FP8_ATTENTION says (default off).
+        prefill_kernel: `rows` or `packed` (`prefill`) for the long sequences; None: as
+            ENCLAVE_PREFILL_KERNEL says (default rows). The e4m3 products run on the rows kernel.
         layout: the batch's sequences and block tables.
         scale: softmax scale.
     Returns:
@@ -492,7 +498,13 @@ def paged_attention(
             if fp8_products is None:
                 fp8_products = engine_env().fp8_attention
             fp8_dot = scales is not None and fp8_products
-            _long(q, k_cache, v_cache, scales, layout, scale, out, block_m, block_n, fp8_dot)
+            kernel = prefill_kernel or engine_env().prefill_kernel
+            if kernel not in ("rows", "packed"):
+                raise ValueError(f"prefill_kernel must be 'rows' or 'packed', got {kernel!r}")
+            if kernel == "packed" and not fp8_dot:
+                _long_packed(q, k_cache, v_cache, scales, layout, scale, out, block_m, block_n)
+            else:
+                _long(q, k_cache, v_cache, scales, layout, scale, out, block_m, block_n, fp8_dot)
         else:
             rows = [None if t is None else t.view(-1, hkv) for t in (k_scale, v_scale)]
             reference.long_sequences(
@@ -629,6 +641,21 @@ def _long(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, b
         EXACT_E4M3=fp8_dot and engine_env().triton_interpret,
         num_warps=8 if block_m * block_d >= 64 * 256 else 4,
         num_stages=2,
+    )
+
+
+def _long_packed(
+    q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, block_n, config=None
+) -> None:
+    """Every long sequence in one launch of the packed kernel over (kv head, tile of new tokens); `config`
+    (rows, keys, warps, stages) overrides the tiling (benchmarks/attention_prefill.py --sweep)."""
+    group = q.shape[1] // k_cache.shape[2]
+    rows, keys, warps, stages = config or prefill.tiling(q.dtype, group, block_m, block_n)
+    tables, info = _seq_index(layout, "long", q.device)
+    tiles = _prefill_tiles(layout, rows // group, q.device)
+    dispatch.choose("attention", "triton-prefill-packed")
+    prefill.prefill_packed(
+        q, k_cache, v_cache, scales, tables, info, tiles, scale, out, rows, keys, warps, stages
     )
 
 

@@ -68,7 +68,11 @@ def qkv_proj_out(t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor
 
 
 def attention_call(
-    dtype: torch.dtype, lay: SeqLayout, fp8_cache: bool = False, fp8_products: bool = False
+    dtype: torch.dtype,
+    lay: SeqLayout,
+    fp8_cache: bool = False,
+    fp8_products: bool = False,
+    prefill_kernel: str | None = None,
 ) -> None:
     c = qwen()
     t = lay.num_tokens
@@ -79,13 +83,14 @@ def attention_call(
     shape = (blocks, KV_BLOCK, c.num_key_value_heads, c.head_dim)
     cache = [empty(*shape, dtype=FP8 if fp8_cache else dtype) for _ in "kv"]
     scales = [empty(*shape[:3], dtype=FP32) for _ in "kv"] if fp8_cache else [None, None]
-    if fp8_products:
+    if fp8_products or prefill_kernel:
         from engine.kernels.attention import triton as attention_triton
 
         k_scale, v_scale = scales
         attention_triton.paged_attention(
-            q, k, v, *cache, lay, c.head_dim**-0.5, k_scale=k_scale, v_scale=v_scale, fp8_products=True
-        )
+            q, k, v, *cache, lay, c.head_dim**-0.5, k_scale=k_scale, v_scale=v_scale,
+            fp8_products=fp8_products, prefill_kernel=prefill_kernel,
+        )  # fmt: skip
         return
     kernels.attention(q, k, v, *cache, lay, c.head_dim**-0.5, *scales)
 
@@ -112,6 +117,29 @@ def attention() -> None:
     for lens in (((1,), (100,)), ((4,), (4224,)), ((100, 1), (0, 50))):
         attention_call(BF16, layout(*lens), fp8_cache=True)
     attention_call(BF16, layout((100,), (50,)), fp8_cache=True, fp8_products=True)
+    # The packed prefill kernel (ENCLAVE_PREFILL_KERNEL=packed): bf16 and fp32 caches, an FP8 one.
+    for dtype in (BF16, FP32):
+        attention_call(dtype, layout((100, 1), (0, 50)), prefill_kernel="packed")
+    attention_call(BF16, layout((100, 1), (0, 50)), fp8_cache=True, prefill_kernel="packed")
+
+
+def packed_prefill_tilings() -> None:
+    """Every tiling the attention benchmark sweeps (`prefill.SWEEP_TILES`), so the sweep runs only tilings
+    that compile and fit an H200's shared memory; plus a cache of 64-position blocks (whole-page tiles)."""
+    from engine.kernels.attention import prefill
+    from engine.kernels.attention import triton as attention_triton
+
+    c = qwen()
+    lay = layout((100,), (50,))
+    q = empty(lay.num_tokens, c.num_attention_heads, c.head_dim)
+    blocks = max(b for table in lay.block_tables for b in table) + 1
+    cache = [empty(blocks, KV_BLOCK, c.num_key_value_heads, c.head_dim) for _ in "kv"]
+    for config in prefill.SWEEP_TILES:
+        out = empty(*q.shape)
+        attention_triton._long_packed(q, *cache, None, lay, c.head_dim**-0.5, out, None, None, config)
+    pages = SeqLayout((100,), (50,), (0,), ((0, 1, 2),), 64)
+    cache = [empty(3, 64, c.num_key_value_heads, c.head_dim) for _ in "kv"]
+    attention_triton._long_packed(q, *cache, None, pages, c.head_dim**-0.5, empty(*q.shape), None, None)
 
 
 def qk_norm_rotary() -> None:
@@ -283,5 +311,15 @@ def sampling() -> None:
         kernels.sample_filtered(empty(b, v, dtype=dtype), empty(b, dtype=FP32), *extra)
 
 
-CALLS = [attention, qk_norm_rotary, rotary, sigmoid_gate, conv1d, deltanet_gate, deltanet_step, gated_delta]
+CALLS = [
+    attention,
+    packed_prefill_tilings,
+    qk_norm_rotary,
+    rotary,
+    sigmoid_gate,
+    conv1d,
+    deltanet_gate,
+    deltanet_step,
+    gated_delta,
+]
 CALLS += [norm, swiglu, sampling]

@@ -173,6 +173,27 @@ def compile_launch(launch: Launch, target: Target = SM90):
     return triton.compile(source, target=target.gpu_target(), options=dict(launch.options))
 
 
+def resource_usage(kernel) -> dict[str, int]:
+    """Registers per thread and stack bytes per thread (spilled registers) of a CompiledKernel's cubin, as
+    the cuobjdump shipped with Triton's NVIDIA backend reports them; {} where that tool is missing."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists() or "cubin" not in kernel.asm:
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return {"registers": int(found[1]), "stack": int(found[2])} if found else {}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The simulated GPU.
 

@@ -12,7 +12,8 @@ engine/kernels was launched by some call.
 on CPU-only machines, and other tests here import the kernel modules under it), so recording and compiling
 run in subprocesses without it: one records, then two compile (on two cores, each every other launch).
 `python -m tests.engine.kernels.test_compile_sm90 [--target=sm_90] [substring ...]` records and compiles by
-hand, printing one line per compiled launch (name, error, shared memory, seconds). Launches that differ only
+hand, printing one line per compiled launch (name, error, shared memory, registers and stack bytes per thread
+(spills) as cuobjdump reports them, seconds). Launches that differ only
 in the divisibility of an int (a token count of 8 or 64) compile once. Another GPU (sm_100, sm_120): add its
 `Target` to `launches.TARGETS` (its docstring says how) and the test runs for it too.
 """
@@ -143,12 +144,13 @@ def _error(launch: Launch, e: Exception) -> str:
 
 def _compile(launches: list[Launch], target: Target) -> None:
     """Compile each launch for `target`, printing one RESULT line per launch."""
-    from tests.engine.kernels.launches import compile_launch
+    from tests.engine.kernels.launches import compile_launch, resource_usage
 
     for launch in launches:
-        start, error, shared = time.perf_counter(), "", None
+        start, error, shared, resources = time.perf_counter(), "", None, {}
         try:
-            shared = compile_launch(launch, target).metadata.shared
+            kernel = compile_launch(launch, target)
+            shared, resources = kernel.metadata.shared, resource_usage(kernel)
             if shared > target.max_shared:
                 error = (
                     f"needs {shared} bytes of shared memory, a {target.name} block has {target.max_shared}"
@@ -156,7 +158,11 @@ def _compile(launches: list[Launch], target: Target) -> None:
         except Exception as e:  # report every launch's failure, not just the first
             error = _error(launch, e)
         out = dict(
-            name=launch.name, error=error, shared=shared, seconds=round(time.perf_counter() - start, 2)
+            name=launch.name,
+            error=error,
+            shared=shared,
+            **resources,
+            seconds=round(time.perf_counter() - start, 2),
         )
         print(RESULT + json.dumps(out), flush=True)
 
