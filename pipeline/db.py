@@ -34,6 +34,18 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True)
 
 
+# PostgreSQL's "serialization_failure" and "deadlock_detected": the transaction lost a race and may be run
+# again as it was (PostgreSQL manual, "Serialization Failure Handling").
+RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether `exc` is a database error that running the same transaction again may clear: a PostgreSQL
+    deadlock or serialization failure."""
+    orig = getattr(exc, "orig", None)
+    return getattr(orig, "sqlstate", None) in RETRYABLE_SQLSTATES
+
+
 class Database:
     """Sessions over one engine. `transaction()` commits on success and rolls back on any error."""
 

@@ -28,7 +28,7 @@ from jobs.base import (
 )
 from jobs.base import Document as OpenedDocument
 from pipeline import audit, audit_anchor, envelope, keys, store
-from pipeline.db import Database
+from pipeline.db import Database, is_retryable
 from pipeline.errors import stack_without_message
 from pipeline.health import Health
 from pipeline.inflight import InFlight, ShardRun, Stop
@@ -59,6 +59,8 @@ class Outcome:
     code: str | None
 
 
+RECORD_RETRIES = 3  # new transactions for documents whose recording lost a database race (a deadlock)
+RECORD_BACKOFF_S = 0.05  # ... after this many seconds times the attempt
 MAX_CODE = 40  # a code is a short machine word ("invalid_request"), never text from the document
 
 
@@ -314,7 +316,38 @@ class ShardProcessor:
             except Exception as exc:
                 self._give_back(run, outcome.item, exc)
         recorded: list[str | bool] = []
-        unrecorded: list[tuple[Leased, Exception]] = []
+        pending, unrecorded = prepared, []
+        for attempt in range(RECORD_RETRIES + 1):
+            last = attempt == RECORD_RETRIES
+            try:
+                done, failed = self._store(job_id, pending)
+            except Exception as exc:  # the transaction as a whole (job completion, checkpoint, commit)
+                if last or not is_retryable(exc):
+                    raise
+                done, failed = [], [(outcome, exc) for outcome, _, _ in pending]
+            recorded += done
+            # A deadlock or serialization failure (another worker's or the sweeper's transaction won a
+            # race on the same rows) is run again in a new transaction, once this one's locks are gone.
+            again = {id(o) for o, exc in failed if is_retryable(exc)} if not last else set()
+            unrecorded = [(o.item, exc) for o, exc in failed if id(o) not in again]
+            if not again:
+                break
+            log.warning("job %s: %d documents lost a database race; recording them again", job_id, len(again))
+            time.sleep(RECORD_BACKOFF_S * (attempt + 1))
+            pending = [p for p in pending if id(p[0]) in again]
+        self.res.inflight.finished(run, [o.item.id for o, _, _ in prepared])
+        self.res.health.success(len(recorded))
+        for item, exc in unrecorded:
+            self._give_back(run, item, exc)
+        return recorded
+
+    def _store(
+        self, job_id: str, prepared: list[tuple[Outcome, bytes, bytes]]
+    ) -> tuple[list[str | bool], list[tuple[Outcome, Exception]]]:
+        """One transaction storing the prepared outcomes, a savepoint each: per document stored, its status
+        (False when its lease was no longer this worker's), and the outcomes whose savepoint failed."""
+        recorded: list[str | bool] = []
+        failed: list[tuple[Outcome, Exception]] = []
         with self.db.transaction() as s:  # one commit; the lease check stays per document
             for outcome, sealed, signature in prepared:
                 result = outcome.result
@@ -334,16 +367,12 @@ class ShardProcessor:
                             signature=signature,
                         )
                 except Exception as exc:
-                    unrecorded.append((outcome.item, exc))
+                    failed.append((outcome, exc))
                     continue
                 recorded.append(ok and result.status)
             finished = store.complete_job_if_finished(s, job_id, self.worker_id)
             self._checkpoint(s, force=finished)
-        self.res.inflight.finished(run, [o.item.id for o, _, _ in prepared])
-        self.res.health.success(len(recorded))
-        for item, exc in unrecorded:
-            self._give_back(run, item, exc)
-        return recorded
+        return recorded, failed
 
     def _open(self, job_id: str, item: Leased, hashes: dict[str, str]) -> OpenedDocument:
         if item.sealed is None:

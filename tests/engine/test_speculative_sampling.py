@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import engine.runner
-from engine import Engine, SamplingParams
+from engine import Engine, SamplingParams, spec_policy
 from engine.env import reset_engine_env
 from tests.engine.factories import add_mtp, save_text_model
 
@@ -127,6 +127,8 @@ def test_sampled_tokens_follow_the_target_distribution(setup, how, monkeypatch):
         options["drafter"] = RankDrafter(top)
     if how.startswith("adaptive"):  # each step's k chosen (1 or 2 here: the drafts are often right)
         monkeypatch.setenv("ENCLAVE_SPECULATION", "adaptive")
+        # All 128 decoding requests may verify drafts (the default verifies for ADAPTIVE_MAX_SEQS at most).
+        monkeypatch.setattr(spec_policy, "ADAPTIVE_MAX_SEQS", 128)
         reset_engine_env()
     stat, df = chi_square(draws(path, **options), top)
     print(f"{how}: chi2 {stat:.1f}, df {df}, critical {chi_square_critical(df):.1f}")

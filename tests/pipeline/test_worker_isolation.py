@@ -5,12 +5,15 @@ neighbours in the shard complete, each recorded once with a signed result and a 
 The engine is a stand-in (futures resolved at once): what is tested is the worker's bookkeeping."""
 
 import json
+import logging
+import threading
+import time
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import create_engine, select, text
 
 from engine import EngineError, RequestError
 from jobs.base import DocumentError, DocumentResult, EngineRequest, JobKind
@@ -191,3 +194,68 @@ def test_each_document_fails_or_is_given_back_alone(runtime):
     assert opened["detail"] == f"prompt {SECRET} has 9000 tokens; the limit is 8192"  # sealed only
     clear = [d.error or "" for d in docs.values()] + [e.details for e in events]
     assert not any(SECRET in text for text in clear)
+
+
+@pytest.fixture
+def pg_runtime(pg_url, tmp_path):
+    settings = Settings(home=tmp_path, database_url=pg_url, broker_url="memory://", model=Path("unused"))
+    keys.save_identity(keys.generate_identity(), settings.service_key_dir)
+    migrate.upgrade(Database(pg_url).engine)
+    rt = WorkerRuntime(app=None, settings=settings)
+    rt._engine, rt._model = StandInModel.engine, StandInModel()
+    yield rt
+    rt.db.dispose()
+
+
+def test_a_document_that_loses_a_deadlock_is_recorded_again_without_an_attempt(pg_runtime, caplog):
+    """A real PostgreSQL deadlock: another transaction holds the shard's last document and then asks for its
+    first, which the worker's recording transaction holds while it waits for the last. PostgreSQL aborts the
+    worker's statement (40P01, the worker waited first); the document is recorded again in a new
+    transaction, so it ends done with one result and no attempt spent, and the other transaction commits."""
+    rt = pg_runtime
+    client = keys.generate_identity()
+    job = make_job(rt, client)
+    with rt.db.transaction() as s:
+        leased, _ = store.lease(s, job, 0, rt.worker_id, lease_seconds=60, max_attempts=3)
+        work = [Leased(d.id, d.index, d.sealed) for d in leased]
+        hashes = {d.id: d.sha256 for d in leased}
+    first, last = work[0].id, work[-1].id  # fine-1 and fine-2: recorded first and last
+    other = create_engine(rt.db.url)
+    holder = other.connect()
+    holder.begin()
+    holder.execute(text("UPDATE documents SET size = size WHERE id = :id"), {"id": last})
+    outcome: dict[str, object] = {}
+
+    def close_the_cycle() -> None:
+        try:
+            with other.connect() as watch:  # wait until the worker's transaction waits for `last`
+                for _ in range(200):
+                    waiting = watch.execute(
+                        text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+                    ).scalar()
+                    if waiting:
+                        break
+                    time.sleep(0.02)
+            holder.execute(text("UPDATE documents SET size = size WHERE id = :id"), {"id": first})
+            holder.commit()
+            outcome["committed"] = True
+        except Exception as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=close_the_cycle)
+    thread.start()
+    run = rt.inflight.begin(job, 0, [w.id for w in work])
+    with caplog.at_level(logging.WARNING, logger="enclave.worker"):
+        recorded = rt.shards._run(run, job, Probe(), work, hashes, 0, client.public.x25519)
+    thread.join(30)
+    holder.close()
+    other.dispose()
+    assert outcome == {"committed": True}
+    assert "lost a database race" in caplog.text  # the deadlock happened, and was retried
+    # fine-1, fine-2 and stale-result (no results row put in its way here) done; three failed
+    assert sorted(recorded) == ["done", "done", "done", "failed", "failed", "failed"]
+    with rt.db.transaction() as s:
+        docs = {d.id: d for d in s.scalars(select(Document).where(Document.job_id == job))}
+        results = [r.document_id for r in s.scalars(select(Result).where(Result.job_id == job))]
+    for doc_id in (first, last):
+        assert (docs[doc_id].status, docs[doc_id].attempts, results.count(doc_id)) == ("done", 0, 1)
