@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import random
 import socket
+import sqlite3
 import subprocess
 import time
 from collections import Counter
+from contextlib import closing
 from datetime import datetime
 from pathlib import Path
 
@@ -143,12 +145,33 @@ def break_broker(e: Enclave, fault: str) -> None:
         broker.unlink()
     elif fault == "corrupt":
         # A worker killed inside a broker transaction leaves a hot journal, from which SQLite would restore
-        # the first page: the corruption is of the file as it stands, journal and all.
-        broker.with_name("broker.db-journal").unlink(missing_ok=True)
-        with open(broker, "r+b") as f:
-            f.write(random.Random(1).randbytes(4096))  # the first page, its header included
+        # the first page: the corruption is of the file as it stands, journal and all. A worker's commit in
+        # flight writes its copy of the first page back, healing the file: then it is corrupted again, until
+        # it stays unreadable (a transaction begun after the corruption cannot read the file, so none heals
+        # it later).
+        moved = set(broker.parent.glob("broker.db.unreadable-*"))
+        for _ in range(20):
+            broker.with_name("broker.db-journal").unlink(missing_ok=True)
+            with open(broker, "r+b") as f:
+                f.write(random.Random(1).randbytes(4096))  # the first page, its header included
+            time.sleep(0.5)
+            if set(broker.parent.glob("broker.db.unreadable-*")) - moved or not readable(broker):
+                return  # a worker saw it (and moved it aside), or it is still unreadable
+        raise AssertionError("the broker's file healed itself 20 times")
     elif fault == "restart":
         e.redis.restart()
+
+
+def readable(path: Path) -> bool:
+    """Whether SQLite can read the database at `path` (its schema)."""
+    try:
+        with closing(sqlite3.connect(path, timeout=5)) as c:
+            c.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return True
+    except sqlite3.OperationalError:  # locked by a writer: not known to be unreadable
+        return True
+    except sqlite3.DatabaseError:  # "file is not a database"
+        return False
 
 
 @pytest.mark.slow
