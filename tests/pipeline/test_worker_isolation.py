@@ -224,15 +224,18 @@ def test_a_document_that_loses_a_deadlock_is_recorded_again_without_an_attempt(p
     holder = other.connect()
     holder.begin()
     holder.execute(text("UPDATE documents SET size = size WHERE id = :id"), {"id": last})
+    holder_pid = holder.execute(text("SELECT pg_backend_pid()")).scalar()
     outcome: dict[str, object] = {}
 
     def close_the_cycle() -> None:
         try:
             with other.connect() as watch:  # wait until the worker's transaction waits for `last`
-                for _ in range(200):
-                    waiting = watch.execute(
-                        text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
-                    ).scalar()
+                # Only a backend blocked by the holder: other tests' lock waits on this server do not count.
+                blocked = text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE :pid = ANY(pg_blocking_pids(pid))"
+                )
+                for _ in range(500):
+                    waiting = watch.execute(blocked, {"pid": holder_pid}).scalar()
                     if waiting:
                         break
                     time.sleep(0.02)
