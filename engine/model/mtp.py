@@ -38,9 +38,16 @@ class MTPHead(nn.Module):
         step: int = 0,
     ) -> torch.Tensor:
         """next_embeds, hidden [T, H] -> [T, H] normed hidden state for the shared lm_head."""
-        x = torch.cat((self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)), dim=-1)
-        x, residual = self.layers[step % len(self.layers)](self.fc(x), None, cos, sin, kv, layout)
+        x, residual = self.layers[step % len(self.layers)](
+            self._joined(next_embeds, hidden), None, cos, sin, kv, layout
+        )
         return self.norm.add(x, residual)[0]
+
+    def _joined(self, next_embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's input: fc over the next tokens' normed embeddings beside the normed hidden states."""
+        return self.fc(
+            torch.cat((self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)), dim=-1)
+        )
 
     def store_kv(
         self,
@@ -53,6 +60,7 @@ class MTPHead(nn.Module):
         step: int = 0,
     ) -> None:
         """Only the K/V `forward` writes: fc, the layer's input norm and its key/value projections."""
-        x = torch.cat((self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)), dim=-1)
         layer = self.layers[step % len(self.layers)]
-        layer.self_attn.store_kv(layer.input_layernorm(self.fc(x)), cos, sin, kv, layout)
+        layer.self_attn.store_kv(
+            layer.input_layernorm(self._joined(next_embeds, hidden)), cos, sin, kv, layout
+        )
