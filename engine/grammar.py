@@ -50,6 +50,8 @@ class GrammarCompiler:
     requests are compiled in the submitting thread, not in the engine's loop."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_ids: list[int], threads: int = 8) -> None:
+        if not stop_ids:
+            raise RequestError("constrained output needs the model's end-of-sequence token (eos_token_id)")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)

@@ -338,6 +338,14 @@ def test_synthetic_tokenizer_has_the_models_vocabulary_and_round_trips_json():
         synthetic_tokenizer(100)
 
 
+def test_every_preset_names_its_end_token_as_constrained_output_needs():
+    from engine.bench.presets import PRESETS
+    from engine.config import config_from_dict
+
+    for name, raw in PRESETS.items():  # (k) on the 35B preset once failed: llguidance needs an eos token
+        assert config_from_dict(raw()).eos_token_ids, name
+
+
 def test_constrained_workload_runs_plain_and_held_to_the_schema(tmp_path):
     path = tmp_path / "bench.json"
     argv = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--quick", "--workloads", "k"]

@@ -205,3 +205,10 @@ def test_apply_bitmask_masks_exactly_the_zero_bits():
     allowed = torch.isfinite(logits)
     assert allowed[0].all() and allowed[2].all()  # rows not listed are untouched
     assert allowed[1].nonzero().flatten().tolist() == [0, 2, *range(32, 64)]
+
+
+def test_a_model_without_an_end_token_is_refused_in_one_line(demo_engine):
+    from engine.grammar import GrammarCompiler
+
+    with pytest.raises(RequestError, match="end-of-sequence token"):
+        GrammarCompiler(demo_engine.tokenizer, demo_engine.config.vocab_size, [])
