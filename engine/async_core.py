@@ -57,7 +57,8 @@ def build_core(
     the `warm_up` option says so, or, unset, when its decode graphs were captured at start. `mode`: the
     speculation `Engine` worked out (default: the options')."""
     device = model.inv_freq.device
-    mode = mode or speculation_mode(options.speculation, model.mtp is not None or drafter is not None, device)
+    has_drafter = model.mtp is not None or drafter is not None
+    mode = mode or speculation_mode(options.speculation, has_drafter, device, model)
     asynchronous = async_wanted(options, device, drafter, mode)
     core = (AsyncEngineCore if asynchronous else EngineCore)(model, plan, options, drafter, mode)
     wanted = options.kernels.warm_up

@@ -57,7 +57,7 @@ class EngineCore:
         serving = options.serving
         device = model.inv_freq.device
         mode = mode or speculation_mode(
-            options.speculation, model.mtp is not None or drafter is not None, device
+            options.speculation, model.mtp is not None or drafter is not None, device, model
         )
         k = mode.k
         if serving.max_num_seqs is None:

@@ -72,7 +72,8 @@ class Engine:
         `from_pretrained`'s); `drafter` stands in for the MTP head (tests, benchmarks); `name` is the served
         model's name that outputs carry (`from_pretrained`: the checkpoint directory's)."""
         options = options or EngineOptions()
-        mode = speculation_mode(options.speculation, model.mtp is not None or drafter is not None, device)
+        has_drafter = model.mtp is not None or drafter is not None
+        mode = speculation_mode(options.speculation, has_drafter, device, model)
         if mode.k and model.mtp is None and drafter is None:
             raise EngineError(
                 "num_speculative_tokens needs an MTP head, and this checkpoint has none (no mtp.* tensors)"

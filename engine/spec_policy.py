@@ -18,9 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cache import slot_bytes
 from engine.env import engine_env
+from engine.model.model import CausalLM
 from engine.options import SpeculationOptions
-from engine.spec_cost import StepCost
+from engine.spec_cost import ModelBytes, StepCost, device_costs
 
 ADAPTIVE_MAX_K = 3  # most drafts per step when the options leave k to the policy
 # Most sequences one adaptive step verifies drafts for. Each needs k scratch state slots (61 MiB each at the
@@ -44,17 +46,34 @@ class SpeculationMode:
     verify_seqs: int | None = None  # most sequences a step verifies drafts for; None: every sequence
 
 
-def speculation_mode(options: SpeculationOptions, has_drafter: bool, device: torch.device) -> SpeculationMode:
+def speculation_mode(
+    options: SpeculationOptions, has_drafter: bool, device: torch.device, model: CausalLM | None = None
+) -> SpeculationMode:
     """From the option `num_speculative_tokens` n and ENCLAVE_SPECULATION (`engine_env().speculation`).
     Unset n: adaptive up to ADAPTIVE_MAX_K on CUDA when the checkpoint has an MTP head (or a drafter stands
-    in), else off. A number n forces a fixed k = n (0: off), unless ENCLAVE_SPECULATION=adaptive, which
-    chooses per step up to n (on any device)."""
+    in) and, given the `model`, `speculation_pays` on this device; else off. A number n forces a fixed
+    k = n (0: off), unless ENCLAVE_SPECULATION=adaptive, which chooses per step up to n (on any device,
+    whether or not it can pay)."""
     n, policy = options.num_speculative_tokens, engine_env().speculation
     if n == 0 or (n is None and not has_drafter):
         return SpeculationMode(0, False)
-    if policy == "adaptive" or (policy == "auto" and n is None and device.type == "cuda"):
+    if policy == "auto" and n is None and device.type == "cuda":
+        if model is not None and not speculation_pays(model, device, ADAPTIVE_MAX_K):
+            return SpeculationMode(0, False)
+        return SpeculationMode(ADAPTIVE_MAX_K, True, ADAPTIVE_MAX_SEQS)
+    if policy == "adaptive":
         return SpeculationMode(n or ADAPTIVE_MAX_K, True, ADAPTIVE_MAX_SEQS)
     return SpeculationMode(n or 0, False)
+
+
+def speculation_pays(model: CausalLM, device: torch.device, max_k: int, context: float = 1024.0) -> bool:
+    """Whether some k <= max_k beats plain steps at batch 1 even with every draft right, by the cost model
+    and this device's row of `spec_costs.json`. When not, the adaptive default would only add its k = 0
+    steps' MTP cache fill to every step (measured on the H200: 0.57x plain with the head drafting on the
+    host), so the default is off."""
+    dtype = model.model.embed_tokens.weight.dtype
+    costs = ModelBytes.of(model, dtype.itemsize, slot_bytes(model.config, dtype))
+    return SpeculationPolicy(StepCost(costs, device_costs(device)), max_k).best_k([1.0], context) > 0
 
 
 def expected_length(a: float, k: int) -> float:

@@ -23,18 +23,25 @@ from engine.spec_policy import (
     SpeculationPolicy,
     expected_length,
     speculation_mode,
+    speculation_pays,
 )
 
 FULL = "qwen3.5-35b-a3b"
 
 
 @pytest.fixture(scope="module")
-def full():
-    """The full geometry's bytes (built on the meta device: nothing allocated) and its config."""
+def full_model():
+    """The full geometry with its MTP head, built on the meta device: nothing allocated."""
     config = config_from_dict(bench.PRESETS[FULL](), source=FULL)
     with torch.device("meta"):
-        model = CausalLM(config, num_mtp_layers=1).to(torch.bfloat16)
-    return ModelBytes.of(model, 2, slot_bytes(config, torch.bfloat16)), config
+        return CausalLM(config, num_mtp_layers=1).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def full(full_model):
+    """The full geometry's bytes and its config."""
+    config = full_model.config
+    return ModelBytes.of(full_model, 2, slot_bytes(config, torch.bfloat16)), config
 
 
 def cost(model_bytes, **device):
@@ -235,3 +242,25 @@ def test_adaptive_plans_scratch_for_its_verify_seqs_only(full):
     small = plan_cache(config, torch.bfloat16, budget, max_num_seqs=8, num_speculative_tokens=3,
                        verify_seqs=32, **sizes)  # fmt: skip
     assert small.num_scratch_slots == 8 * 3
+
+
+@pytest.mark.parametrize("row", ["NVIDIA H200", "bytes only"])
+def test_the_default_is_off_where_speculation_cannot_pay_even_with_every_draft_right(
+    monkeypatch, full_model, row
+):
+    """On the H200 as measured (drafting and verify fixed costs) no k beats plain at AL k + 1, so the
+    adaptive default would only add its k = 0 steps' cache fill: `auto` turns speculation off there, and
+    keeps it adaptive on a device whose steps cost their bytes. ENCLAVE_SPECULATION=adaptive forces it."""
+    costs = costs_for(row) if row != "bytes only" else DeviceCosts(bytes_per_s=4.3e12)
+    monkeypatch.setattr("engine.spec_policy.device_costs", lambda device: costs)
+    pays = row == "bytes only"
+    assert speculation_pays(full_model, torch.device("cuda"), 3) is pays
+    monkeypatch.setenv("ENCLAVE_SPECULATION", "auto")
+    reset_engine_env()
+    options, cuda = SpeculationOptions(), torch.device("cuda")
+    on = SpeculationMode(3, True, ADAPTIVE_MAX_SEQS)
+    assert speculation_mode(options, True, cuda, full_model) == (on if pays else SpeculationMode(0, False))
+    assert speculation_mode(options, True, cuda) == on  # no model to weigh: as before
+    monkeypatch.setenv("ENCLAVE_SPECULATION", "adaptive")
+    reset_engine_env()
+    assert speculation_mode(options, True, cuda, full_model) == on
