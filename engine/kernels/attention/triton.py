@@ -6,11 +6,12 @@ block is read once for all of them. It walks the sequence's keys BLOCK_N at a ti
 with an fp32 online softmax. With NUM_SPLITS > 1 (flash-decoding: long contexts, few sequences) each program
 covers one slice of the keys and writes a partial output and its log-sum-exp; a second kernel merges them.
 
-Long path (varlen causal prefill): one program per (query head, tile of BLOCK_M new tokens of one long
-sequence); the tile's queries sit at positions ctx + j and see keys 0 .. ctx + j. Keys before the tile's
-first position are visible to every row and are read without the causal mask; the diagonal blocks with it.
-`prefill.py` holds its candidate replacement, the packed GQA kernel (one program per kv head and tile of
-tokens, all its query heads in the tile), chosen by ENCLAVE_PREFILL_KERNEL=packed.
+Long path (varlen causal prefill), by default `prefill.py`'s packed GQA kernel: one program per kv head and
+tile of tokens, all its query heads in the tile (ENCLAVE_PREFILL_KERNEL=rows: this module's kernel, one
+program per (query head, tile of BLOCK_M new tokens of one long sequence), 2x slower on the H200; it still
+runs the FP8 products). A tile's queries sit at positions ctx + j and see keys 0 .. ctx + j. Keys before the
+tile's first position are visible to every row and are read without the causal mask; the diagonal blocks
+with it.
 
 FP8 cache (`USE_KV_SCALE`): keys and values are e4m3 with an fp32 scale per (position, kv head) beside the
 pool (`fp8_kv`). A key tile is converted to q's dtype as stored (exact: e4m3 fits in bf16/fp16) and its
@@ -474,7 +475,7 @@ def paged_attention(
         fp8_products: with an FP8 cache, run the prefill kernel's QK and PV products in e4m3 (queries and
             softmax weights quantised per row); None: as ENCLAVE_FP8_ATTENTION says (default off).
         prefill_kernel: `rows` or `packed` (`prefill`) for the long sequences; None: as
-            ENCLAVE_PREFILL_KERNEL says (default rows). The e4m3 products run on the rows kernel.
+            ENCLAVE_PREFILL_KERNEL says (default packed). The e4m3 products run on the rows kernel.
         layout: the batch's sequences and block tables.
         scale: softmax scale.
     Returns:
