@@ -32,7 +32,12 @@ from engine.speculative import accept_greedy, accept_sampled
 
 # A test or benchmark may replace the MTP head as drafter: (sequence, how many) -> draft token ids. One whose
 # `after_head` attribute is true lets the head draft first (its cost paid, its KV filled), then replaces its
-# tokens (a benchmark's controlled acceptance at the real drafting cost).
+# tokens (a benchmark's controlled acceptance at the real drafting cost). One with a `force_targets` method,
+# (sequence, drafts verified, targets) -> targets, decides greedy acceptance: verifying a greedy sequence's
+# drafts, the runner passes it the main model's argmax ids at the len(drafts)+1 positions and accepts against
+# the list it returns (drafts equal to their target kept, then the first target that differs). A benchmark
+# has exactly the drafts it chose accepted that way, whatever the model's numerics; the tokens it forces are
+# then not the model's. Sampled requests never call it; without it, one None check per verified sequence.
 Drafter = Callable[[Sequence, int], list[int]]
 
 
@@ -91,6 +96,7 @@ class ModelRunner:
         self.device = cache.device
         self.k = num_speculative_tokens
         self.drafter = drafter
+        self.force_targets = getattr(drafter, "force_targets", None)  # see `Drafter`; None: the model decides
         self.graphs = graphs  # CUDA graphs for decode and verify steps; None runs every step eagerly
         self.processors = LogitsProcessors(self.device)
         self.policy = policy  # adaptive speculation: each step's k (at most `k`); None: always k
@@ -314,7 +320,10 @@ class ModelRunner:
                 continue
             drafts = list(item.drafts)
             if seq.params.greedy:
-                tokens = accept_greedy(argmax[block], drafts)
+                targets = argmax[block]
+                if self.force_targets is not None and drafts:
+                    targets = self.force_targets(seq, drafts, targets)
+                tokens = accept_greedy(targets, drafts)
             elif drafts:
                 probs = torch.stack([filtered_probs(row, seq.params) for row in logits[block]])
                 draft_probs = seq.draft_probs[: len(drafts)] if seq.draft_probs is not None else None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,11 +15,13 @@ from engine.bench.speculation import (
     TARGETS,
     ControlledDrafter,
     acceptance_for,
+    accepted_length,
     expected_length,
     speculative_points,
 )
 from engine.bench.traffic import param_counts
 from engine.config import config_from_dict
+from engine.speculative import accept_greedy
 
 
 @pytest.mark.parametrize(("k", "length"), [*TARGETS, (1, 1.0), (4, 5.0)])
@@ -35,20 +36,53 @@ def test_acceptance_refuses_lengths_k_drafts_cannot_reach():
         acceptance_for(3.5, 2)
 
 
-def test_drafter_is_right_with_probability_p_and_wrong_ids_are_never_true():
-    seq = SimpleNamespace(prompt_ids=[1, 2], output_ids=[])
-    truth = {(1, 2): [random.Random(i).randrange(50) for i in range(8)]}
-    drafter = ControlledDrafter(truth, 0.7, 50, seed=3)
-    right = total = 0
-    for _ in range(3000):
-        drafts = drafter(seq, 3)
-        right += sum(d == t for d, t in zip(drafts, truth[(1, 2)], strict=False))
-        total += 3
-    # Binomial(9000, 0.7): sd 0.0048; 5 sd.
-    assert abs(right / total - 0.7) < 0.025
+class _Seq:
+    """Stands in for a `Sequence`: the drafter keys its pending verdicts by the (weakly referenced) object."""
+
+
+def test_drafter_is_right_with_probability_p_and_forces_exactly_the_leading_right_drafts():
+    vocab, k = 50, 3
+    drafter = ControlledDrafter(0.7, vocab, seed=3)
+    model = random.Random(1)
+    seq, judged = _Seq(), 0
+    for call in range(3000):
+        drafts = drafter(seq, k)
+        leading = drafter.leading[-1]
+        assert len(drafts) == k and all(0 <= d < vocab for d in drafts)
+        judged += min(leading + 1, k)  # positions drawn: up to and including the first wrong one
+        # The model's argmax: unrelated ids, or (every third call) equal to every draft, wrong ones included.
+        agrees = call % 3 == 0
+        targets = [*drafts, model.randrange(vocab)] if agrees else [model.randrange(vocab)] * (k + 1)
+        forced = drafter.force_targets(seq, drafts, targets)
+        tokens = accept_greedy(forced, drafts)
+        assert len(tokens) - 1 == leading and tokens[:leading] == drafts[:leading]
+        if leading < k:
+            assert tokens[leading] != drafts[leading]
+            if targets[leading] != drafts[leading]:
+                assert tokens[leading] == targets[leading]  # a disagreeing model's token is left as it is
+    # Each position right with probability p given those before it were: Binomial(~6600, 0.7), sd 0.0056;
+    # 5 sd.
+    assert abs(sum(drafter.leading) / judged - 0.7) < 0.03
     lengths = 1 + sum(drafter.leading) / len(drafter.leading)
     assert lengths == pytest.approx(expected_length(0.7, 3), abs=0.08)
-    assert ControlledDrafter(truth, 0.0, 50)(seq, 3) != truth[(1, 2)][:3]  # wrong ids differ from the truth
+    assert drafter.forced == drafter.leading and drafter.unforced == 0
+
+
+def test_forcing_follows_trimmed_drafts_and_leaves_unknown_ones_to_the_model():
+    always, seq = ControlledDrafter(1.0, 50, seed=0), _Seq()
+    drafts = always(seq, 3)
+    assert always.leading == [3]
+    targets = [(d + 7) % 50 for d in drafts[:2]] + [9]
+    # The scheduler verified only the first two: both kept, then the model's token.
+    assert accept_greedy(always.force_targets(seq, drafts[:2], targets), drafts[:2]) == [*drafts[:2], 9]
+    assert always.forced == [2]
+    other = [(d + 1) % 50 for d in drafts]  # drafts it did not propose: the model's targets unchanged
+    assert always.force_targets(seq, other, [5, 6, 7, 8]) == [5, 6, 7, 8] and always.unforced == 1
+    never = ControlledDrafter(0.0, 50, seed=0)
+    drafts = never(seq, 2)
+    # The model agrees with the (wrong) first draft: made to differ, so nothing is kept.
+    tokens = accept_greedy(never.force_targets(seq, drafts, [drafts[0], 3, 4]), drafts)
+    assert tokens == [(drafts[0] + 1) % 50] and never.forced == [0]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +96,7 @@ def tiny_bench():
     return Bench(model, config, param_counts(config), device, torch.float32, QUICK, settings, 1.0, 1.0)
 
 
-def test_end_to_end_speculation_hits_the_target_lengths_and_equals_plain(tiny_bench):
+def test_end_to_end_speculation_forces_the_target_lengths(tiny_bench):
     new = 160
     points = speculative_points(tiny_bench, 1, 16, new, "e2e")
     plain, *spec = points
@@ -72,9 +106,11 @@ def test_end_to_end_speculation_hits_the_target_lengths_and_equals_plain(tiny_be
     assert [(p["k"], p["target_accepted_length"]) for p in spec] == list(TARGETS)
     for point in spec:
         assert "error" not in point, point
-        assert point["matches_plain"] and not point["capped"]
+        assert not point["capped"] and "matches_plain" not in point  # forced tokens are not the model's
         assert point["mtp_head_drafts"] and point["speedup_vs_plain"] > 0
-        assert point["accepted_drafts"] == point["leading_right_drafts"] > 0  # the real verify kept them
+        # The real verify path kept exactly the drafts forced right, and every verify step was forced.
+        assert point["accepted_drafts"] == point["leading_right_drafts"] > 0, point
+        assert point["unforced_verify_steps"] == 0 and "control lost" not in point["note"], point
         k, p = point["k"], point["p"]
         # Per verify step the drafts kept are a geometric run truncated at k; its variance from p.
         mean = expected_length(p, k) - 1
@@ -85,10 +121,31 @@ def test_end_to_end_speculation_hits_the_target_lengths_and_equals_plain(tiny_be
         assert abs(point["mean_accepted_length"] - point["target_accepted_length"]) < 4 * sd + 0.05, point
     wrong, right = adaptive
     for point in adaptive:
-        assert "error" not in point and point["adaptive"] and point["matches_plain"], point
+        assert "error" not in point and point["adaptive"], point
+        assert point["accepted_drafts"] == point["leading_right_drafts"], point
+    # Nothing forced at p = 0: the model's own tokens, equal to plain's in fp32 (information in the report).
+    assert wrong["matches_plain"] and "matches_plain" not in right
     # Always-wrong drafts: after the prior's first steps the policy stops drafting.
     assert wrong["k_chosen"].get(0, 0) > sum(n for k, n in wrong["k_chosen"].items() if k), wrong
     assert right["mean_accepted_length"] > 2.0 and max(right["k_chosen"]) == 3, right
+
+
+class _Unforced(ControlledDrafter):
+    force_targets = None  # the runner finds no hook: the model's argmax judges the random drafts
+
+
+def test_without_forcing_the_random_drafts_are_rejected(tiny_bench):
+    """What forcing does: the same drafter's random ids, left to the model's argmax, are (almost) never
+    accepted, whatever it decided was right; only forcing makes the real verify path run at the target."""
+    b, k, new = tiny_bench, 3, 48
+    drafter = _Unforced(acceptance_for(3.39, k), b.config.vocab_size, seed=0)
+    core = b.core(1, 16 + new + 8 + k, k, drafter)
+    seqs = b.add(core, 1, 16, new, 16 + new + 8 + k)
+    while core.has_work():
+        core.step()
+    assert len(seqs[0].output_ids) == new
+    assert 1 + sum(drafter.leading) / len(drafter.leading) > 3.0  # what forcing would have kept
+    assert accepted_length(seqs) < 1.1 and drafter.forced == []
 
 
 def test_fit_costs_recovers_the_fixed_costs_of_synthetic_rows(tiny_bench):
@@ -129,4 +186,5 @@ def test_batch_decode_speculative_rows(tmp_path):
     assert points["batch 3 e2e plain"]["batch"] == 3
     for k, length in TARGETS:
         point = points[f"batch 3 e2e AL {length} k={k}"]
-        assert point["batch"] == 3 and point["matches_plain"] and point["mean_accepted_length"] > 1
+        assert point["batch"] == 3 and point["mean_accepted_length"] > 1
+        assert point["accepted_drafts"] == point["leading_right_drafts"] > 0 and "matches_plain" not in point
