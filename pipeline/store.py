@@ -196,12 +196,25 @@ def fail_unopened(session: Session, doc: Document, error: str, actor: str) -> No
 
 def renew(session: Session, owner: str, doc_ids: list[str], lease_seconds: float) -> int:
     """Extend `owner`'s leases on `doc_ids` (the documents it is working on) by `lease_seconds` from now: a
-    heartbeat. Returns how many it still held."""
+    heartbeat. Returns how many it renewed.
+
+    On PostgreSQL, rows another transaction is writing are skipped, not waited for (FOR UPDATE SKIP LOCKED):
+    mostly this worker's own recording of them (`finish_document`, whose transaction then queues for the
+    audit lock), which finishes them or rolls back; the next beat renews those still leased. Waiting there
+    made the beat one side of a deadlock with that recording (the renew locks its rows in one order, the
+    recording one at a time in another), found only after PostgreSQL's deadlock_timeout (1 s), and queued it
+    behind every worker's audit appends: under load beats stalled for longer than the lease, and other
+    workers took over the leases of a live worker's documents (generated twice, counted as lease expiries)."""
     if not doc_ids:
         return 0
+    held = (
+        select(Document.id)
+        .where(Document.id.in_(doc_ids), Document.status == DocState.LEASED, Document.lease_owner == owner)
+        .with_for_update(skip_locked=True)
+    )
     return session.execute(
         update(Document)
-        .where(Document.id.in_(doc_ids), Document.status == DocState.LEASED, Document.lease_owner == owner)
+        .where(Document.id.in_(held))
         .values(lease_until=utcnow() + timedelta(seconds=lease_seconds))
     ).rowcount
 
@@ -375,9 +388,12 @@ def ended_jobs(session: Session, job_ids: list[str]) -> list[str]:
 
 
 def mark_dispatched(session: Session, job_id: str, shard: int) -> None:
+    """Stamp the shard's pending documents as dispatched now. Only theirs: `shards_to_dispatch` reads no
+    leased document's stamp, and writing one would lock a live worker's rows, which its heartbeat then skips
+    (`renew`) for as long as this transaction lasts."""
     session.execute(
         update(Document)
-        .where(Document.job_id == job_id, Document.shard == shard, Document.status.in_(OPEN_DOC))
+        .where(Document.job_id == job_id, Document.shard == shard, Document.status == DocState.PENDING)
         .values(dispatched_at=utcnow())
     )
 

@@ -16,6 +16,7 @@ import socket
 import sqlite3
 import subprocess
 import time
+import uuid
 from collections import Counter
 from contextlib import closing
 from datetime import datetime
@@ -131,6 +132,40 @@ def holding(e: Enclave, owner: str) -> list[str]:
     return [r.id for r in rows]
 
 
+def start_worker(e: Enclave) -> subprocess.Popen:
+    """A worker whose PostgreSQL connections carry a name of its own (libpq reads PGAPPNAME), for `kill`."""
+    name = f"fault-worker-{uuid.uuid4().hex[:12]}"  # the server's connections are every test's
+    proc = e.start_worker(env=e.env | {"PGAPPNAME": name})
+    proc.app_name = name
+    return proc
+
+
+def may_commit(e: Enclave, name: str) -> int:
+    """How many server connections of the worker `name` may still commit: all but those gone and those stuck
+    on a lock inside a statement (the client sends COMMIT only after a statement's result: theirs never
+    comes)."""
+    return query(
+        e,
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE application_name = :name "
+        "AND (wait_event_type IS DISTINCT FROM 'Lock' OR query = 'COMMIT')",
+        name=name,
+    )[0].n
+
+
+def kill(e: Enclave, proc: subprocess.Popen) -> None:
+    """kill -9 a worker. On PostgreSQL, then wait until the server settled what it had sent: a COMMIT sent
+    just before the kill lands after it, so what the worker held is read only once its connections can no
+    longer commit (SQLite: its commits are in the file, or not at all, once it is dead)."""
+    if e.backend != "servers":
+        e.kill(proc)
+        return
+    name = proc.app_name
+    assert may_commit(e, name), "the worker's connections do not carry its name"
+    e.kill(proc)
+    left = "SELECT state, wait_event, query FROM pg_stat_activity WHERE application_name = :name"
+    assert wait_for(lambda: may_commit(e, name) == 0, 60), query(e, left, name=name)
+
+
 def write_documents(folder: Path, count: int) -> Path:
     folder.mkdir()
     source = (NOTES / "note-02-pneumonia.txt").read_text()
@@ -182,7 +217,7 @@ def test_a_job_survives_kills_a_lost_broker_and_a_shard_slower_than_three_leases
     job = e.submit(
         str(write_documents(tmp_path / "docs", 200)), "--kind", "summarize", "--param", "max_tokens=32"
     )
-    workers = [e.start_worker(), e.start_worker()]
+    workers = [start_worker(e), start_worker(e)]
     held: Counter[str] = Counter()  # document -> kills that caught a worker holding it
     kills, start = 0, time.monotonic()
     while kills < KILLS:
@@ -192,12 +227,11 @@ def test_a_job_survives_kills_a_lost_broker_and_a_shard_slower_than_three_leases
             if owner is None or not holding(e, owner):
                 continue
             time.sleep(rng.uniform(0.0, 0.6))  # mid-shard: some of its documents may be recorded by now
-            e.kill(proc)
-            time.sleep(0.3)  # a commit sent just before the kill lands (PostgreSQL) before we look
+            kill(e, proc)
             held.update(holding(e, owner))
             kills += 1
             workers.remove(proc)
-            workers.append(e.start_worker())
+            workers.append(start_worker(e))
             if kills in faults:
                 before = marker(e)
                 assert before is not None  # the workers' first broker check gave the database its marker
