@@ -12,10 +12,12 @@ import time
 
 from engine.allocator import BlockAllocator, SlotAllocator
 from engine.cache import ModelCache, kv_cache_dtype, slot_bytes
+from engine.env import engine_env
 from engine.errors import EngineError
 from engine.graphs import DecodeGraphs, graphs_wanted
 from engine.kernels import dispatch
 from engine.model.model import CausalLM
+from engine.mtp_graphs import MtpGraphs
 from engine.options import EngineOptions
 from engine.outputs import EngineStats
 from engine.planner import CachePlan, step_tokens
@@ -88,6 +90,9 @@ class EngineCore:
         )
         pads = (plan.total_slots, plan.num_blocks)
         decode_graphs = DecodeGraphs(model, self.cache, *pads, serving.max_num_seqs) if graphs else None
+        mtp_graphs = None
+        if graphs and num_mtp and engine_env().mtp_graphs:
+            mtp_graphs = MtpGraphs(model, self.cache, *pads, serving.max_num_seqs)
         mtp_hidden = options.speculation.mtp_hidden
         policy = None
         if mode.adaptive:
@@ -96,7 +101,9 @@ class EngineCore:
             )
             costs = ModelBytes.of(model, kv_itemsize, slot_bytes(model.config, dtype))
             policy = SpeculationPolicy(StepCost(costs, device_costs(device)), k, mode.verify_seqs)
-        self.runner = ModelRunner(model, self.cache, plan, k, drafter, mtp_hidden, decode_graphs, policy)
+        self.runner = ModelRunner(
+            model, self.cache, plan, k, drafter, mtp_hidden, decode_graphs, policy, mtp_graphs
+        )
         self.graphs = decode_graphs
         if decode_graphs is not None and options.kernels.graph_capture_len:
             self._capture_graphs(options.kernels.graph_capture_len, k)

@@ -80,6 +80,14 @@ VARIABLES: tuple[Variable, ...] = (
         "`0` runs decode and verify steps eagerly instead of replaying CUDA graphs",
     ),
     Variable(
+        "ENCLAVE_MTP_GRAPHS",
+        "mtp_graphs",
+        "switch",
+        "0",
+        "`1` also replays the MTP head's passes (drafting, its K/V fill) from CUDA graphs; off until the "
+        "H200 has run them",
+    ),
+    Variable(
         "ENCLAVE_ASYNC_SCHEDULING",
         "async_scheduling",
         "switch",
@@ -123,6 +131,7 @@ class EngineEnv:
     prefill_kernel: str = "packed"
     pdl: bool = True
     cuda_graphs: bool = True
+    mtp_graphs: bool = False
     async_scheduling: bool = True
     speculation: str = "auto"
     deltanet_v_splits: int | None = None

@@ -22,6 +22,7 @@ from engine.errors import EngineError
 from engine.graphs import DecodeGraphs
 from engine.kernels import SeqLayout
 from engine.model.model import CausalLM
+from engine.mtp_graphs import MtpGraphs
 from engine.planner import CachePlan
 from engine.processors import LogitsProcessors, needs_processing
 from engine.sampler import filtered_probs, logprob_entries, sample_rows, to_device
@@ -88,6 +89,7 @@ class ModelRunner:
         mtp_hidden: str = "normed",
         graphs: DecodeGraphs | None = None,
         policy: SpeculationPolicy | None = None,
+        mtp_graphs: MtpGraphs | None = None,
     ) -> None:
         self.mtp_hidden = mtp_hidden  # checked by SpeculationOptions
         self.model = model
@@ -100,6 +102,7 @@ class ModelRunner:
         self.graphs = graphs  # CUDA graphs for decode and verify steps; None runs every step eagerly
         self.processors = LogitsProcessors(self.device)
         self.policy = policy  # adaptive speculation: each step's k (at most `k`); None: always k
+        self.mtp_graphs = mtp_graphs  # the MTP head's passes from CUDA graphs; None runs them eagerly
 
     @torch.inference_mode()
     def launch(
@@ -179,7 +182,20 @@ class ModelRunner:
             next_ids[self._to_device(sampled_at)] = tokens[self._to_device(sampled_rows)]
         if known_at:
             next_ids[self._to_device(known_at)] = self._to_device(known)
-        self.model.mtp_store_kv(next_ids, mtp_input, self._mtp_layout(layout), self.cache)
+        self._mtp_store(next_ids, mtp_input, self._mtp_layout(layout))
+
+    def _mtp_store(self, ids: torch.Tensor, hidden: torch.Tensor, layout: SeqLayout) -> None:
+        """The MTP head's K/V-only fill, from its graph where one fits."""
+        if self.mtp_graphs is None or not self.mtp_graphs.run_store(layout, ids, hidden):
+            self.model.mtp_store_kv(ids, hidden, layout, self.cache)
+
+    def _mtp_pass(
+        self, ids: torch.Tensor, hidden: torch.Tensor, layout: SeqLayout, step: int
+    ) -> torch.Tensor:
+        """The MTP head's normed output [T, H], from its graph where one fits (then a view of the graph's
+        output, valid until its next replay)."""
+        out = self.mtp_graphs.run_pass(layout, ids, hidden, step) if self.mtp_graphs is not None else None
+        return out if out is not None else self.model.mtp_hidden(ids, hidden, layout, self.cache, step)
 
     @staticmethod
     def _mtp_layout(layout: SeqLayout) -> SeqLayout:
@@ -389,9 +405,9 @@ class ModelRunner:
                 next_ids.append(tokens[p] if p < len(tokens) else 0)  # past the accepted run: rewritten later
         mtp_layout = self._mtp_layout(layout)
         if not wanting:  # nothing to draft: only the head's K/V, so that later drafts read no holes
-            self.model.mtp_store_kv(self._to_device(next_ids), launched.mtp_input, mtp_layout, self.cache)
+            self._mtp_store(self._to_device(next_ids), launched.mtp_input, mtp_layout)
             return proposed
-        h = self.model.mtp_hidden(self._to_device(next_ids), launched.mtp_input, mtp_layout, self.cache)
+        h = self._mtp_pass(self._to_device(next_ids), launched.mtp_input, mtp_layout, 0)
         rows = [layout.cu_seqlens[i] + item.num_new - 1 + accepted[i] for i, item in wanting]
         seqs = [item.seq for _, item in wanting]
         counts = [self._draft_count(s, k) for s in seqs]
@@ -413,7 +429,7 @@ class ModelRunner:
                 tuple(tuple(s.blocks) for s in seqs),
                 self.cache.block_size,
             )
-            hidden = self.model.mtp_hidden(tokens, hidden, step_layout, self.cache, step + 1)
+            hidden = self._mtp_pass(tokens, hidden, step_layout, step + 1)
         drafts = torch.stack(steps, dim=1).tolist()  # [B, k]: the host reads every draft once, at the end
         if after_head:
             return self._stand_in(wanting, proposed, k)

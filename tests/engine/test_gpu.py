@@ -117,3 +117,29 @@ def test_cuda_graphs_captured_at_start(tmp_path):
         assert [o.token_ids for o in cuda.generate(prompts, params)] == expected
         assert graphs.replays > 0 and graphs.captures == 6
         assert cuda.stats().graphs_captured == 6
+
+
+@pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
+def test_cuda_mtp_graphs_give_the_eager_heads_tokens(tmp_path, monkeypatch, speculation):
+    """ENCLAVE_MTP_GRAPHS=1: the MTP head's passes (the verify rows' pass, each further draft step, the K/V
+    fill at k = 0) replay CUDA graphs, and greedy outputs stay the CPU's token for token (fp32)."""
+    from engine.env import reset_engine_env
+
+    save_text_model(tmp_path, seed=2)
+    add_mtp(tmp_path, seed=9)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (1, 7, 70, 33, 12)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    cpu = Engine.from_pretrained(tmp_path, device="cpu", dtype="float32")
+    expected = [o.token_ids for o in cpu.generate(prompts, params)]
+    monkeypatch.setenv("ENCLAVE_MTP_GRAPHS", "1")
+    monkeypatch.setenv("ENCLAVE_SPECULATION", speculation)
+    reset_engine_env()
+    options = {"num_speculative_tokens": 3} if speculation == "fixed" else {}
+    with Engine.from_pretrained(
+        tmp_path, device="cuda", dtype="float32", kv_cache_memory=1 << 30, **options
+    ) as e:
+        assert [o.token_ids for o in e.generate(prompts, params)] == expected
+        graphs = e.core.runner.mtp_graphs
+        assert graphs is not None and graphs.failed is None and graphs.replays > 0
+    reset_engine_env()
