@@ -89,20 +89,23 @@ class ModelCache:
         self.device = torch.device(device)
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype  # the KV blocks'; FP8 ones carry scales
+        # Every DeltaNet layer's states are views of one pool per kind, [layers, S, ...], so copying slots
+        # (a verify step's commit, a prefix's fork) is one gather and scatter per pool, not two per layer.
+        c = config
+        linear = c.layer_types.count("linear_attention")
+        conv = (linear, num_slots, c.linear_conv_dim, c.linear_conv_kernel_dim - 1)
+        rec = (linear, num_slots, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        self.conv_pool = torch.empty(conv, device=self.device, dtype=dtype)
+        self.recurrent_pool = torch.empty(rec, device=self.device, dtype=torch.float32)
+        views = iter(range(linear))
         self.layers: dict[int, LinearState | PagedKV] = {
-            i: self._linear() if kind == "linear_attention" else self._kv()
+            i: self._linear(next(views)) if kind == "linear_attention" else self._kv()
             for i, kind in enumerate(config.layer_types)
         }
         self.mtp_layers = [self._kv() for _ in range(num_mtp_layers)]
 
-    def _linear(self) -> LinearState:
-        c = self.config
-        conv = (self.num_slots, c.linear_conv_dim, c.linear_conv_kernel_dim - 1)
-        rec = (self.num_slots, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
-        return LinearState(
-            torch.empty(conv, device=self.device, dtype=self.dtype),
-            torch.empty(rec, device=self.device, dtype=torch.float32),
-        )
+    def _linear(self, index: int) -> LinearState:
+        return LinearState(self.conv_pool[index], self.recurrent_pool[index])
 
     def _kv(self) -> PagedKV:
         c = self.config
@@ -125,9 +128,8 @@ class ModelCache:
             return
         s = torch.tensor(src, device=self.device)
         d = torch.tensor(dst, device=self.device)
-        for state in self.linear_states():
-            state.conv[d] = state.conv[s]
-            state.recurrent[d] = state.recurrent[s]
+        self.conv_pool[:, d] = self.conv_pool[:, s]
+        self.recurrent_pool[:, d] = self.recurrent_pool[:, s]
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy KV blocks `src` into `dst` (pairwise), with their scales, in every attention layer."""

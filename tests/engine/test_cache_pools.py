@@ -359,3 +359,21 @@ def test_kv_index_needs_block_tables():
         layout.kv_index([0], 0)
     with pytest.raises(ValueError, match="no block tables"):
         layout.slot_mapping("cpu")
+
+
+def test_copying_slots_is_one_scatter_per_pool_whatever_the_layers():
+    """A verify step's commit copies one slot's DeltaNet state in every layer: two index_put launches in all
+    (the conv and recurrent pools), not two per layer, and every layer's state moves."""
+    config = small_config()
+    cache = ModelCache(config, num_slots=4, num_blocks=2, block_size=4, device="cpu", dtype=torch.float32)
+    for state in cache.linear_states():
+        state.conv.normal_()
+        state.recurrent.normal_()
+        assert state.conv._base is cache.conv_pool and state.recurrent._base is cache.recurrent_pool
+    before = [(s.conv[1].clone(), s.recurrent[1].clone()) for s in cache.linear_states()]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        cache.copy_slots([1], [3])
+    scatters = [e for e in prof.events() if e.name == "aten::index_put_"]
+    assert len(scatters) == 2, [e.name for e in prof.events()]
+    for state, (conv, rec) in zip(cache.linear_states(), before, strict=True):
+        assert torch.equal(state.conv[3], conv) and torch.equal(state.recurrent[3], rec)
