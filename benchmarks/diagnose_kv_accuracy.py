@@ -12,7 +12,12 @@ no step wrote) and with the FP8 cache; then the same for the 35B preset.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from any directory
 
 from engine import Engine
 from engine.bench.kv_accuracy import _Run, measure
