@@ -15,12 +15,11 @@ Off unless ENCLAVE_MTP_GRAPHS=1 until the H200 has run `tests/engine/test_gpu.py
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
-from engine.graphs import DecodeGraphs, GraphKey, log
+from engine.graphs import DecodeGraphs, GraphKey
 from engine.kernels import SeqLayout
 
 
@@ -46,7 +45,6 @@ class MtpGraphs(DecodeGraphs):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.mtp_graphs: dict[MtpKey, _MtpCaptured] = {}
         self.hidden_size = self.model.config.hidden_size
         self.dtype = self.model.model.embed_tokens.weight.dtype
 
@@ -69,7 +67,7 @@ class MtpGraphs(DecodeGraphs):
         if base is None or base.keeps_states:
             return None
         key = MtpKey(base, store, step % len(self.model.mtp.layers))
-        captured = self.mtp_graphs.get(key) or self._captured_mtp(key)
+        captured = self.graphs.get(key) or self._captured(key)  # `DecodeGraphs._captured`: capture or fail
         if captured is None:
             return None
         captured.layout.refill_from(self._pad(layout, base))
@@ -80,27 +78,13 @@ class MtpGraphs(DecodeGraphs):
         self.replays += 1
         return captured
 
-    def _captured_mtp(self, key: MtpKey) -> _MtpCaptured | None:
-        start = time.perf_counter()
-        try:
-            captured = self.mtp_graphs[key] = self._capture_mtp(key)
-        except RuntimeError as exc:  # as `DecodeGraphs._captured`: stay correct, run eagerly
-            self.failed = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            log.warning("capturing an MTP graph for %s failed; its passes run eagerly", key, exc_info=True)
-            torch.cuda.synchronize(self.cache.device)
-            return None
-        finally:
-            self.capture_s += time.perf_counter() - start
-        self.captures += 1
-        return captured
-
     def _pass(self, key: MtpKey, ids: torch.Tensor, hidden: torch.Tensor, layout: SeqLayout):
         if key.store:
             self.model.mtp_store_kv(ids, hidden, layout, self.cache)
             return None
         return self.model.mtp_hidden(ids, hidden, layout, self.cache, key.layer)
 
-    def _capture_mtp(self, key: MtpKey) -> _MtpCaptured:
+    def _capture(self, key: MtpKey) -> _MtpCaptured:  # what `DecodeGraphs._captured` calls, for MtpKey
         layout = self._padding_layout(key.base)
         device = self.cache.device
         n = key.base.batch * key.base.query
