@@ -23,6 +23,13 @@ FP8_MAX = 448.0  # largest finite e4m3 (float8_e4m3fn) value
 AMAX_EPS = 1e-10  # a group of zeros gets this amax, so its scale is not 0 (0 / 0 would give NaN)
 
 
+def scale_of_amax(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448, divided exactly on every device. The divisor is a tensor: CUDA turns division by a Python
+    number into a multiplication by its reciprocal, one ulp off the exact quotient in some rows, and the
+    kernels (and the CPU) divide exactly (`tl.math.div_rn`)."""
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
 def quantize_fp8_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     # x [..., K] -> (e4m3 [..., K], fp32 scales [..., ceil(K/group)]); the last group may be partial.
     k = x.shape[-1]
@@ -30,9 +37,7 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[tor
     padded = torch.nn.functional.pad(x.float(), (0, groups * group - k))
     blocks = padded.unflatten(-1, (groups, group))  # [..., G, group]
     amax = blocks.abs().amax(dim=-1).clamp(min=AMAX_EPS)  # [..., G]
-    # A tensor divisor: CUDA turns division by a Python number into a multiplication by its reciprocal, which
-    # can be one ulp off the CPU's exact quotient.
-    scale = amax / torch.full_like(amax, FP8_MAX)
+    scale = scale_of_amax(amax)
     q = (blocks / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).flatten(-2)[..., :k]
     return q.to(torch.float8_e4m3fn), scale
 
@@ -73,7 +78,7 @@ def quantize_block_fp8_weight(
     padded = torch.nn.functional.pad(weight.float(), (0, cols * bk - k, 0, rows * bn - n))
     blocks = padded.unflatten(-1, (cols, bk)).unflatten(-3, (rows, bn))  # [..., rows, bn, cols, bk]
     amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=AMAX_EPS)  # [..., rows, cols]
-    scale = amax / torch.full_like(amax, FP8_MAX)
+    scale = scale_of_amax(amax)
     q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     q = q.flatten(-2).flatten(-3, -2)[..., :n, :k]
     return q.to(torch.float8_e4m3fn), scale
