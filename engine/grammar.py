@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from engine import kernels
 from engine.constraints import Constraint
 from engine.errors import RequestError
 from engine.sampler import to_device
@@ -31,7 +32,6 @@ MAX_COMPILED = 64  # distinct constraints kept compiled (a job's documents share
 PARALLEL_FILL_ROWS = 8  # from this many rows a step's masks are filled by llguidance's thread pool
 # One-line JSON with OpenAI's separators and no free whitespace: a wandering model cannot loop on blanks.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-ROW_CHUNK = 32  # rows unpacked at once when masking: bounds the temporary [rows, V] byte tensor
 
 
 def _llguidance() -> Any:
@@ -144,12 +144,6 @@ def allocate_bitmask(rows: int, vocab_size: int, pin: bool) -> torch.Tensor:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set `logits[r, t]` to -inf for each row r in `rows` and token t whose bit is 0. `bitmask` [R, W]
-    int32 is on the logits' device; bit t % 32 of word t // 32 is token t (little-endian bytes, so byte
-    t // 8 holds it at bit t % 8)."""
-    vocab = logits.shape[-1]
-    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
-    for start in range(0, len(rows), ROW_CHUNK):
-        index = to_device(rows[start : start + ROW_CHUNK], torch.long, logits.device)
-        data = bitmask[index].contiguous().view(torch.uint8)  # [r, 4W]
-        allowed = ((data.unsqueeze(-1) >> shifts) & 1).reshape(len(index), -1)[:, :vocab]  # [r, V] 0/1
-        logits[index] = logits[index].masked_fill(allowed == 0, float("-inf"))
+    int32 is on the logits' device: bit t % 32 of word t // 32 is token t (`kernels.apply_token_bitmask`,
+    one launch on CUDA)."""
+    kernels.apply_token_bitmask(logits, bitmask, to_device(rows, torch.long, logits.device))

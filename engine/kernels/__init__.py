@@ -2,6 +2,7 @@
 `engine.kernels.dispatch` picks the implementation in one place."""
 
 from engine.kernels.attention import attention, store_kv
+from engine.kernels.bitmask import apply_token_bitmask
 from engine.kernels.conv1d import causal_conv1d
 from engine.kernels.deltanet_gate import deltanet_gate
 from engine.kernels.deltanet_step import deltanet_step
@@ -28,6 +29,7 @@ __all__ = [
     "add_rms_norm",
     "add_rms_norm_fp8",
     "apply_rotary",
+    "apply_token_bitmask",
     "attention",
     "causal_conv1d",
     "deltanet_gate",

@@ -311,6 +311,14 @@ def sampling() -> None:
         kernels.sample_filtered(empty(b, v, dtype=dtype), empty(b, dtype=FP32), *extra)
 
 
+def token_bitmask() -> None:
+    # The grammar's mask at batch 256 over the full vocabulary (fp32 logits, as the sampler gets them).
+    v = qwen().vocab_size
+    kernels.apply_token_bitmask(
+        empty(256, v, dtype=FP32), empty(256, (v + 31) // 32, dtype=torch.int32), empty(256, dtype=torch.long)
+    )
+
+
 CALLS = [
     attention,
     packed_prefill_tilings,
@@ -322,4 +330,4 @@ CALLS = [
     deltanet_step,
     gated_delta,
 ]
-CALLS += [norm, swiglu, sampling]
+CALLS += [norm, swiglu, sampling, token_bitmask]
