@@ -7,6 +7,12 @@ device. The host reads the tokens one call later, after launching the next step,
 placeholders (`Sequence.resolve`), running the stop checks then: a request that stopped there wastes the one
 step already launched for it, whose token is discarded. Steps whose tokens are needed at once (log-probs,
 drafts to verify or propose) run as in the synchronous core.
+
+Penalties, logit bias and grammar masks depend on the tokens generated so far. A step with such requests
+launched behind a deferred one queues only its forward pass (`ModelRunner.launch` leaves its tokens None);
+the host then reads the deferred step's tokens (advancing each request's grammar), fills the new step's
+masks while the device runs its forward pass, and queues its sampling (`ModelRunner.finish`), so
+constrained requests are deferred like the others. Speculating, they are not (the drafts need the tokens).
 """
 
 from __future__ import annotations
@@ -108,32 +114,44 @@ class AsyncEngineCore(EngineCore):
         previous = self._pending
         launched = self._launch(out, previous.launched if previous else None, nonblocking=True)
         finished: list[Sequence] = []
-        deferred = None
-        if launched is not None and self.runner.deferrable(launched):
-            deferred = self._defer(out, launched)
+        defer = launched is not None and self.runner.deferrable(launched)
+        if defer:
+            self._reserve(out, launched)
             finished += self.scheduler.update(out, [0] * len(out.scheduled))
             self.deferred_steps += 1
         if previous is not None:  # its tokens, read while this step runs
             self._pending = None
             finished += self._read(previous, out)
-        if deferred is not None:
-            self._pending = deferred
+        if launched is not None and launched.tokens is None:
+            # Penalties and grammar masks follow the tokens just read: the host fills the masks now, while
+            # the device runs this step's forward pass, then queues the sampling.
+            launched = self._finish(out, launched)
+        if defer:
+            self._pending = Deferred(out, launched, self._readback(out, launched))
         else:
             finished += self._complete(out, launched)
         self._timed(start)
         return finished
 
-    def _defer(self, out: SchedulerOutput, launched: Launched) -> Deferred:
-        """Start the copy of the step's tokens to the host, and give each sequence that sampled a placeholder
-        for its token."""
-        try:
-            readback = self.runner.defer(launched)
-        except Exception as exc:
-            raise self._failed(exc, out) from exc
+    def _reserve(self, out: SchedulerOutput, launched: Launched) -> None:
+        """Give each sequence that samples in a deferred step a placeholder for its token."""
         for item, row in zip(out.scheduled, launched.token_rows(), strict=True):
             if row is not None:
                 item.seq.reserve()
-        return Deferred(out, launched, readback)
+
+    def _finish(self, out: SchedulerOutput, launched: Launched) -> Launched:
+        """Queue the sampling of a step launched before the previous step's tokens were read."""
+        try:
+            return self.runner.finish(launched)
+        except Exception as exc:
+            raise self._failed(exc, out) from exc
+
+    def _readback(self, out: SchedulerOutput, launched: Launched) -> Readback:
+        """Start the copy of a deferred step's tokens to the host."""
+        try:
+            return self.runner.defer(launched)
+        except Exception as exc:
+            raise self._failed(exc, out) from exc
 
     def _read(self, step: Deferred, launched_after: SchedulerOutput) -> list[Sequence]:
         """Resolve a deferred step's placeholders with its tokens; release and return the requests they

@@ -4,8 +4,9 @@ the grammar's token mask (OpenAI's semantics for the first three, on the generat
 A row of a verify step (MTP drafts) sees the tokens before it: the output so far plus the drafts ahead of
 its position, so the grammar's mask for draft j's row comes from the matcher advanced over drafts[:j] (then
 rolled back). A draft the grammar rejects cannot equal the masked target's argmax, nor be kept by rejection
-sampling (its probability is 0): it is rejected. Requests that need these changes are never deferred by the
-asynchronous core (`ModelRunner.deferrable`), so their outputs are known on the host here.
+sampling (its probability is 0): it is rejected. Every output token before the step's is known on the host
+here: the asynchronous core reads a deferred step's tokens before it processes the next step's logits
+(`ModelRunner.finish`); the placeholder a deferred request holds for this step's own token is not counted.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ its input ids device to device.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -51,7 +51,9 @@ class Launched:
     layout: SeqLayout
     emit_rows: list[list[int]]  # per item, the flat-batch rows whose logits it samples from
     logits: torch.Tensor  # [rows, V] fp32, after penalties, bias and grammar masks
-    tokens: torch.Tensor  # [rows] int64: each row's argmax or draw (drafts accepted later)
+    # [rows] int64: each row's argmax or draw (drafts accepted later); None until `ModelRunner.finish`
+    # queued the sampling of a step launched behind a deferred one
+    tokens: torch.Tensor | None
     mtp_input: torch.Tensor | None  # [T, H] the hidden states the MTP head reads (speculation only)
     raw_logits: torch.Tensor | None = None  # [rows, V] the model's own, kept for log-probs when changed
     # Speculating, the drafts the step's sequences propose for the next step, chosen at launch for a step
@@ -109,7 +111,8 @@ class ModelRunner:
         self, out: SchedulerOutput, previous: Launched | None = None, nonblocking: bool = False
     ) -> Launched | None:
         """Queue the step's forward pass, logits and sampling on the device, without waiting for them; None
-        when nothing is scheduled.
+        when nothing is scheduled. Behind a deferred step, a step with penalties, bias or a grammar stops
+        before its sampling (its tokens None: see `finish`).
 
         `previous`: the deferred step whose tokens are still placeholders (`PENDING`) in the sequences; they
         become this step's input ids on the device. `nonblocking`: the device may still be busy with it, so
@@ -132,21 +135,39 @@ class ModelRunner:
             mtp_input = normed if self.mtp_hidden == "normed" else hidden
         else:
             logits = self.model.logits(self.model.final_norm(hidden if wanted is None else hidden[wanted]))
-        raw = None
-        processed = [item for item in items if item.samples and needs_processing(item.seq)]
-        if processed:
-            if any(item.seq.params.logprobs is not None for item in processed):
-                raw = logits.clone()  # log-probs report the model's distribution, not the masked one
-            # The host fills the grammar masks here, while the device runs the forward pass queued above.
-            self.processors.apply(items, emit_rows, logits)
-        tokens = self._tokens(items, emit_rows, logits)
+        launched = Launched(items, layout, emit_rows, logits, None, mtp_input)
+        if previous is not None and self.samples_late and self._processed(items):
+            return launched  # `finish` samples it once the previous step's tokens are read
+        launched = self.finish(launched)
+        tokens = launched.tokens
         next_k, filled = None, False
         if self.k and not any(item.drafts for item in items):
             next_k = self._step_k([item.seq for item in self._decoding(items)])
             if next_k == 0 and self._runs_head():
                 self._store_kv_ahead(items, layout, ids, tokens, emit_rows, mtp_input)
                 filled = True
-        return Launched(items, layout, emit_rows, logits, tokens, mtp_input, raw, next_k, filled)
+        return replace(launched, next_k=next_k, filled=filled)
+
+    @torch.inference_mode()
+    def finish(self, launched: Launched) -> Launched:
+        """Queue a launched step's penalties, bias and grammar masks, and its sampling: `launched` with its
+        tokens. `launch` does this itself, except for a step with such requests launched behind a deferred
+        one (tokens None): their changes depend on the tokens that step sampled, so the asynchronous core
+        reads them first and calls this while the device runs the new step's forward pass."""
+        items, emit_rows, logits = launched.items, launched.emit_rows, launched.logits
+        raw = None
+        processed = self._processed(items)
+        if processed:
+            if any(item.seq.params.logprobs is not None for item in processed):
+                raw = logits.clone()  # log-probs report the model's distribution, not the masked one
+            # The host fills the grammar masks here, while the device runs the forward pass queued before.
+            self.processors.apply(items, emit_rows, logits)
+        return replace(launched, tokens=self._tokens(items, emit_rows, logits), raw_logits=raw)
+
+    @staticmethod
+    def _processed(items: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """The items that sample with penalties, bias or a grammar."""
+        return [item for item in items if item.samples and needs_processing(item.seq)]
 
     def _runs_head(self) -> bool:
         """Whether the MTP head runs (and keeps its cache): not when a drafter stands in for it entirely."""
@@ -212,16 +233,23 @@ class ModelRunner:
             if item.samples and not item.seq.finished and self._draft_count(item.seq, self.k) > 0
         ]
 
+    @property
+    def samples_late(self) -> bool:
+        """Whether a step launched behind a deferred one may leave its sampling to `finish` (without
+        speculation): then requests whose logits depend on their tokens (penalties, a grammar) can be
+        deferred too, since the next step's changes wait for their tokens."""
+        return not self.k and self.drafter is None
+
     def deferrable(self, launched: Launched) -> bool:
         """Whether the step's tokens can wait on the device: not with drafts to verify or propose (adaptive
-        speculation defers its steps at k = 0), nor with log-probabilities to compute from its logits, nor
-        when a request's next logits depend on its tokens on the host (penalties, a grammar)."""
+        speculation defers its steps at k = 0), nor with log-probabilities to compute from its logits, nor,
+        speculating, when a request's next logits depend on its tokens on the host (penalties, a grammar)."""
         if self.policy is None and (self.k or self.drafter is not None):
             return False
         if self.policy is not None and launched.next_k != 0:  # drafts to verify or to propose
             return False
         return all(
-            item.seq.params.logprobs is None and not needs_processing(item.seq)
+            item.seq.params.logprobs is None and (self.samples_late or not needs_processing(item.seq))
             for item in launched.items
             if item.samples
         )

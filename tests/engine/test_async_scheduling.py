@@ -192,3 +192,65 @@ def test_speculation_stays_synchronous(demo_dir):
     with engine(demo_dir, True, num_speculative_tokens=2) as e:
         e.generate(prompts_for(demo_dir, count=2), GREEDY)
         assert not e.core.async_scheduling and e.core.deferred_steps == 0
+
+
+def test_penalties_bias_and_grammars_are_deferred_and_equal_sync(demo_dir):
+    """Requests whose logits follow their tokens (penalties, bias, a grammar) are deferred too: their next
+    step samples only once the deferred tokens are read (the grammar advanced, the counts updated), so every
+    output equals the synchronous engine's, constrained ones valid, and most of their steps deferred."""
+    from engine.constraints import Constraint
+    from tests.engine.test_constrained import CHOICES, PATTERN, RECORD, check
+
+    prompts = prompts_for(demo_dir, count=8)
+    constraints = [Constraint.json_schema(RECORD), Constraint.regex(PATTERN), Constraint.choice(CHOICES)]
+    params = [SamplingParams(max_tokens=160, temperature=0.0, constraint=c) for c in constraints]
+    params += [
+        SamplingParams(max_tokens=160, temperature=0.9, seed=3, constraint=constraints[0]),
+        SamplingParams(
+            max_tokens=20, temperature=0.0, presence_penalty=1.5, frequency_penalty=0.7, ignore_eos=True
+        ),
+        SamplingParams(max_tokens=20, temperature=0.8, seed=1, logit_bias={5: 3.0, 9: -100}, ignore_eos=True),
+        GREEDY,
+        SamplingParams(max_tokens=9, temperature=0.0, constraint=constraints[1]),
+    ]
+    sync, asyn, _ = both(demo_dir, prompts, params)
+    assert asyn == sync
+    for (_, text, reason, _, _), p in zip(asyn, params, strict=True):
+        if p.constraint is not None and reason == "stop":
+            check(p.constraint, text)
+    assert sum(reason == "stop" for _, _, reason, _, _ in asyn[:4]) >= 3  # most grammars completed
+    with engine(demo_dir, True) as e:
+        e.generate(prompts, params)
+        assert e.core.deferred_steps >= e.core.steps - 2  # all but the first prefill and the last
+
+
+def test_a_grammar_after_its_reasoning_block_is_deferred_and_equal_sync(tmp_path):
+    """A reasoning request's grammar starts at `</think>`, a token read late: the masks of the steps after it
+    still follow it."""
+    from engine.constraints import Constraint
+    from tests.engine.test_reasoning import MESSAGES, SCHEMA
+    from tests.qwen_like import write_qwen_like_model
+
+    path = write_qwen_like_model(tmp_path)
+    with engine(path, False) as e:
+        think = e.think
+        prompt = e.apply_chat_template(MESSAGES, enable_thinking=True)
+    outs = {}
+    for asynchronous in (False, True):
+        with engine(path, asynchronous) as e:
+            params = [
+                SamplingParams(
+                    max_tokens=40,
+                    temperature=0.0,
+                    split_reasoning=True,
+                    constraint=Constraint.json_schema(SCHEMA),
+                    logit_bias={think.end: bias},
+                )
+                for bias in (0.0, 6.0, 100.0)
+            ]
+            got = e.generate([prompt] * 3, params)
+            outs[asynchronous] = [(o.token_ids, o.text, o.reasoning, o.finish_reason) for o in got]
+            if asynchronous:
+                assert e.core.deferred_steps > 0
+    assert outs[True] == outs[False]
+    assert any(o[2] is not None and o[3] == "stop" for o in outs[True])  # a block closed, then an answer
