@@ -81,7 +81,9 @@ class LogitsProcessors:
             states[0].compiler.fill(states, bitmask, [row for _, row in plain])
         if not masked:
             return
-        # Safe to reuse the pinned buffer next step: a masked step is read (synchronised) before the next.
+        # Safe to reuse the pinned buffer next step: the next fill starts only once this step's tokens were
+        # read (by the synchronous core, or by the asynchronous one before it processes the next step's
+        # logits), and this copy precedes their sampling on the stream.
         device_mask = bitmask[:rows].to(self.device, non_blocking=True)
         apply_bitmask(logits, device_mask, sorted(masked))
         self.masked_rows += len(masked)
