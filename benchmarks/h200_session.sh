@@ -17,6 +17,7 @@
 # [".snap"] and `cd .snap && ...`. $OUT returns at most 8 files: write under a scratch folder and tar it.
 set -u
 OUT=${OUT:?set OUT}
+: "${ENCLAVE_COMMIT:?set ENCLAVE_COMMIT to the commit under test: the device copy of .git may be stale}"
 export TOKENIZERS_PARALLELISM=false
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -75,6 +76,9 @@ for step in $STEPS; do
     constrained)  # (k) needs llguidance, absent from the GPU image: carry its cp312 wheel in .whl (see below)
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/llguidance-*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      # llguidance's fill on this host's cores, per thread count (no GPU used)
+      run grammar_fill "${FILL_LIMIT:-120}" python benchmarks/grammar_fill.py --batches 64,256 --threads 1,8,16 \
+        --schemas k,fixed_4096 --json "$OUT/grammar_fill.json"
       run "bench_k" "${BENCH_LIMIT:-300}" python -m engine.bench --preset qwen3.5-35b-a3b --workloads k \
         --batches 64,256 --json "$OUT/bench_k.json" "$@" ;;
     kv_fp8)  # the FP8 KV cache (issue 19): its gpu tests, then greedy agreement and logit error over 256 tokens
@@ -83,6 +87,8 @@ for step in $STEPS; do
         tests/engine/kernels/test_attention_fp8_kv.py tests/engine/test_fp8_kv_cache.py
       run kv_fp8_accuracy "${KV_LIMIT:-300}" python -m engine.bench.kv_accuracy --preset qwen3.5-35b-a3b \
         --seqs 8 --prompt-len 512 --tokens 256 --json "$OUT/kv_fp8_accuracy.json" ;;
+    kv_diagnose)  # where kv_accuracy's bf16 baseline went NaN on the GPU (demo model), and the noise floor
+      run kv_diagnose "${DIAGNOSE_LIMIT:-150}" python benchmarks/diagnose_kv_accuracy.py ;;
     bench)  # BENCH_TAG names the files when one call runs several benches; BENCH_LIMIT caps the seconds
       run "bench${BENCH_TAG:-}" "${BENCH_LIMIT:-540}" python -m engine.bench --preset qwen3.5-35b-a3b \
         --json "$OUT/bench${BENCH_TAG:-}.json" "$@" ;;
