@@ -2,7 +2,8 @@
 
     python -m engine.bench [--preset qwen3.5-35b-a3b | --preset tiny | --model PATH]
         [--workloads a,b,c,d,e,f,g,h,i,j] [--quick] [--max-seconds S] [--device cuda] [--dtype bfloat16]
-        [--kv-cache-gib G] [--kv-cache-dtype auto|fp8] [--long-prompt 131072,262144,1M] [--speculative]
+        [--kv-cache-gib G] [--kv-cache-dtype auto|fp8] [--block-size 16] [--long-prompt 131072,262144,1M]
+        [--speculative]
         [--json PATH]
     enclave bench ...   (the same arguments)
 
@@ -140,6 +141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         long_prefill_chunk=args.long_prefill_chunk,
         kv_cache_dtype=args.kv_cache_dtype,
         speculative=args.speculative,
+        block_size=args.block_size,
     )
     bandwidth, matmul = measure_device(device, dtype, args.quick)
     say(f"building {args.model or args.preset} on {device} as {dtype}")
@@ -190,7 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "repeat": args.repeat,
         "sizes": asdict(sizes),
         "settings": asdict(settings),
-        "block_size": BLOCK_SIZE,
+        "block_size": settings.block_size,
         "warmup_decode_steps": WARMUP_STEPS,
         "kernels": engine_env().kernels,
         "sampling": "greedy, ignore_eos, random prompt token ids",
@@ -296,6 +298,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help=_doc("quantization"))
     parser.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=_doc("kv_cache_dtype")
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=BLOCK_SIZE, help=f"{_doc('block_size')} (default {BLOCK_SIZE})"
     )
     parser.add_argument("--json", default=str(DEFAULT_JSON), help="write the results here ('' for none)")
     args = parser.parse_args(argv)

@@ -12,7 +12,7 @@ import torch
 
 from engine.async_core import build_core
 from engine.bench.device import sync, wall_time
-from engine.bench.settings import BLOCK_SIZE, WARMUP_STEPS, Settings, Sizes
+from engine.bench.settings import WARMUP_STEPS, Settings, Sizes
 from engine.bench.traffic import ParamCounts, roofline, step_bytes
 from engine.cache import kv_cache_dtype
 from engine.config import ModelConfig
@@ -49,13 +49,13 @@ class Bench:
         return kv_cache_dtype(self.settings.kv_cache_dtype, self.dtype)
 
     def options(self, **flat: object) -> EngineOptions:
-        """The run's engine options (its batch budget, BLOCK_SIZE, no shared prefixes), with `flat` set."""
+        """The run's engine options (its batch budget, block size, no shared prefixes), with `flat` set."""
         base = {
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "max_num_batched_tokens": self.settings.max_num_batched_tokens,
             "long_prefill_chunk": self.settings.long_prefill_chunk,
-            "block_size": BLOCK_SIZE,
+            "block_size": self.settings.block_size,
             "max_prefixes": 0,
             "kv_cache_dtype": self.settings.kv_cache_dtype,
         }

@@ -86,3 +86,4 @@ class Settings:
     long_prefill_chunk: int | None = None  # the engine option; None: the engine's default (32,768 on cuda)
     kv_cache_dtype: str = "auto"  # every workload's engine option (auto: the model's dtype; fp8)
     speculative: bool = False  # (b) also decodes each batch with controlled-acceptance speculation
+    block_size: int = BLOCK_SIZE  # the engines' KV block size (positions per block)

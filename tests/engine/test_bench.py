@@ -69,6 +69,28 @@ def test_repeat_runs_each_workload_again_in_the_same_process(tmp_path):
     assert report["configuration"]["repeat"] == 2
 
 
+def test_block_size_reaches_every_engine(monkeypatch, tmp_path):
+    """--block-size sets the KV block size of the workloads' engines (issue 19: 64-position blocks)."""
+    import engine.bench.harness as harness
+
+    sizes = []
+    real = harness.build_core
+
+    def recording(*args, **kwargs):
+        core = real(*args, **kwargs)
+        sizes.append(core.cache.block_size)
+        return core
+
+    monkeypatch.setattr(harness, "build_core", recording)
+    path = tmp_path / "bench.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--quick", "--workloads", "a,b"]
+    assert bench.main([*argv, "--block-size", "64", "--max-seconds", "60", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["configuration"]["block_size"] == 64
+    assert sizes and set(sizes) == {64}
+    assert not [p for p in report["workloads"]["b"] if "error" in p]
+
+
 def test_fp8_kv_cache_runs_batch_decode_and_documents(tmp_path):
     """--kv-cache-dtype fp8 reaches every workload's engine and the byte count (e4m3 plus scales)."""
     path = tmp_path / "bench.json"
