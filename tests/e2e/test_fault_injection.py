@@ -210,7 +210,18 @@ def readable(path: Path) -> bool:
 
 
 @pytest.mark.slow
-def test_a_job_survives_kills_a_lost_broker_and_a_shard_slower_than_three_leases(faulty, tmp_path):
+def stop_all(workers: list[subprocess.Popen]) -> None:
+    for proc in workers:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in workers:
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_a_job_survives_kills_a_lost_broker_and_a_shard_slower_than_three_leases(faulty, tmp_path, request):
     e = faulty
     rng = random.Random(17)
     faults = {4: "delete", 7: "corrupt"} if e.backend == "embedded" else {4: "restart"}
@@ -218,6 +229,7 @@ def test_a_job_survives_kills_a_lost_broker_and_a_shard_slower_than_three_leases
         str(write_documents(tmp_path / "docs", 200)), "--kind", "summarize", "--param", "max_tokens=32"
     )
     workers = [start_worker(e), start_worker(e)]
+    request.addfinalizer(lambda: stop_all(workers))  # a failure mid-test leaves no worker running
     held: Counter[str] = Counter()  # document -> kills that caught a worker holding it
     kills, start = 0, time.monotonic()
     while kills < KILLS:
@@ -254,9 +266,7 @@ def test_a_job_survives_kills_a_lost_broker_and_a_shard_slower_than_three_leases
     )
     slow_job = json.loads(slow.stdout)["job_id"]
     assert wait_for(lambda: {e.json("status", j)["status"] for j in (job, slow_job)} == {"completed"}, 300)
-    for proc in workers:
-        proc.terminate()
-        proc.wait(60)
+    stop_all(workers)
 
     docs = query(
         e,
