@@ -77,12 +77,13 @@ class Launch:
 
     @property
     def name(self) -> str:
-        """`op kernel dtypes CONSTEXPR=value ... warps=4 stages=3`, e.g. `norm rms_norm bf16 BR=2 ...`."""
+        """`op kernel dtypes CONSTEXPR=value ... warps=4 stages=3`, e.g. `norm rms_norm bf16 BR=2 ...`; the
+        arguments passed as None (or left at a None default) are left out."""
         op = self.module.removeprefix("engine.kernels.").removesuffix(".triton")
         kernel = self.kernel.strip("_").removesuffix("_kernel")
         dtypes = list(dict.fromkeys(t[1:] for t in self.signature.values() if t.startswith("*")))
         names = list(self.signature)
-        values = {names[path[0]]: value for path, value in self.constexprs if len(path) == 1}
+        values = {names[p[0]]: v for p, v in self.constexprs if len(p) == 1 and v is not None}
         fixed = [f"{k}={v}" for k, v in values.items() if k in self.constexpr_names and k != "PDL"]
         ones = [f"{k}=1" for k, v in values.items() if k not in self.constexpr_names]
         options = [f"{k.removeprefix('num_')}={v}" for k, v in self.options.items() if k != "launch_pdl"]
