@@ -315,31 +315,31 @@ class Experts:
             kernel, act = gate_up_wide(
                 self.x, self.q13, table, slots, inter, block_m, tiles, self.xq, self.xs, self.s13
             )
-            aq, as_ = quantize_fp8_per_token_group(act, 128)
-            n = act.shape[0]
-            part = torch.empty(1, n, h, dtype=self.x.dtype, device=self.x.device)
-            q2, s2, wt = self.q2, self.s2, self.weights
-            moe_fp8._fp8_down_kernel[(table[1].numel() * triton.cdiv(h, down.block_n), 1)](
-                aq, as_, q2, s2, wt, part, *table, h, inter, 128,
-                aq.stride(0), aq.stride(1), as_.stride(0), as_.stride(1), q2.stride(0), q2.stride(1),
-                q2.stride(2), s2.stride(0), s2.stride(1), s2.stride(2),
-                wt.stride(0), wt.stride(1), part.stride(0), part.stride(1), part.stride(2),
-                NUM_SLOTS=slots, SPLIT_K=1, BLOCK_M=block_m, BLOCK_N=down.block_n, BLOCK_K=128,
-                USE_FP8_DOT=has_fp8_dot(self.x.device), num_warps=down.num_warps, num_stages=down.num_stages,
+            act, as_ = quantize_fp8_per_token_group(act, 128)
+            w2, s2 = self.q2, self.s2
+            mode = dict(
+                as_ptr=as_, scale_ptr=s2, group_n=128, stride_asp=as_.stride(0), stride_ask=as_.stride(1),
+                stride_ce=s2.stride(0), stride_cn=s2.stride(1), stride_ck=s2.stride(2),
+                **moe_triton.DOWN_SHARED_ONLY, BLOCK_K=128, USE_FP8=True, USE_FP8_DOT=has_fp8_dot(act.device),
             )  # fmt: skip
         else:
             kernel, act = gate_up_wide(self.x, self.w13, table, slots, inter, block_m, tiles)
-            n = act.shape[0]
-            part = torch.empty(1, n, h, dtype=self.x.dtype, device=self.x.device)
-            moe_triton._down_kernel[(table[1].numel() * triton.cdiv(h, down.block_n), 1)](
-                act, self.w2, self.w2[0], self.weights, part, *table, h, inter, inter, e,
-                act.stride(0), act.stride(1), self.w2.stride(0), self.w2.stride(1), self.w2.stride(2),
-                self.w2.stride(1), self.weights.stride(0), self.weights.stride(1), part.stride(0),
-                part.stride(1), part.stride(2), NUM_SLOTS=slots, SPLIT_K=1, BLOCK_M=block_m,
-                BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+            w2 = self.w2
+            mode = dict(
+                ws2_ptr=w2[0], shared_inter=inter, num_experts=e, stride_sh=w2.stride(1),
+                **moe_triton.DOWN_FP8_ONLY, BLOCK_K=down.block_k, USE_FP8=False,
                 DOT_PRECISION="ieee" if self.x.dtype == torch.float32 else "tf32",
-                num_warps=down.num_warps, num_stages=down.num_stages,
             )  # fmt: skip
+        part = torch.empty(1, act.shape[0], h, dtype=self.x.dtype, device=self.x.device)
+        wt = self.weights
+        moe_triton._down_kernel[(table[1].numel() * triton.cdiv(h, down.block_n), 1)](
+            act_ptr=act, w2_ptr=w2, weights_ptr=wt, part_ptr=part, sorted_pairs_ptr=table[0],
+            block_experts_ptr=table[1], block_rows_ptr=table[2], hidden=h, inter=inter,
+            stride_ap=act.stride(0), stride_ai=act.stride(1), stride_we=w2.stride(0), stride_wh=w2.stride(1),
+            stride_wi=w2.stride(2), stride_gt=wt.stride(0), stride_gs=wt.stride(1), stride_ps=part.stride(0),
+            stride_pp=part.stride(1), stride_ph=part.stride(2), NUM_SLOTS=slots, SPLIT_K=1, BLOCK_M=block_m,
+            BLOCK_N=down.block_n, num_warps=down.num_warps, num_stages=down.num_stages, **mode,
+        )  # fmt: skip
         return combine(part, self.x.shape[0], slots, self.x.dtype), kernel
 
 
