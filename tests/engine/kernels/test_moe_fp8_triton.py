@@ -144,6 +144,18 @@ def test_experts_tile_sizes(block_m, block_n, split_k, nan_empty):
     assert_relative(out, reference.fp8_experts(x, *w, weights, ids, block), REL_TOL[torch.float32])
 
 
+def test_experts_without_fp8_dot(monkeypatch, nan_empty):
+    # Before sm_89 the grouped GEMMs multiply fp16 copies of the e4m3 tiles (exact in fp16): the same sums.
+    monkeypatch.setattr(moe_fp8, "has_fp8_dot", lambda device: False)
+    t, h, i, e, k, block = 33, 48, 40, 5, 3, (16, 16)
+    x = rand(t, h, seed=17)
+    w = fp8_weights(e, h, i, block, seed=18)
+    weights, ids = routing(t, e, k, seed=19)
+    config = ExpertsConfig.uniform(16, 16, 64, split_k=2)
+    out = moe_fp8.fused_experts(x, *w, weights, ids, block, config)
+    assert_relative(out, reference.fp8_experts(x, *w, weights, ids, block), REL_TOL[torch.float32])
+
+
 # 3 tokens take the gemv kernels, 73 (146 pairs) the grouped GEMMs.
 @pytest.mark.parametrize("t, dtype", [(3, torch.float16), (73, torch.float32)])
 def test_experts_with_shared_output(t, dtype, nan_empty):
