@@ -26,6 +26,7 @@ from engine.errors import EngineError
 
 MAX_SPECULATIVE_TOKENS = 4
 MTP_HIDDEN = ("normed", "raw")
+DRAFT_HEADS = ("model", "fp8")
 QUANTIZATIONS = ("none", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
@@ -199,6 +200,13 @@ class SpeculationOptions(_Concern):
         "normed",
         "the main model's hidden state the MTP head reads: normed (after the final norm, as vLLM) or raw",
         choices=MTP_HIDDEN,
+    )
+    draft_head: str = _option(
+        "choice",
+        "model",
+        "the lm_head MTP drafts are scored with: model (the checkpoint's) or fp8 (a block-scaled e4m3 copy, "
+        "half the bytes a draft reads, at 1 byte per weight more memory; verification stays exact)",
+        choices=DRAFT_HEADS,
     )
 
 

@@ -444,7 +444,7 @@ class ModelRunner:
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         steps: list[torch.Tensor] = []  # [B] per draft step: each feeds the next on the device
         for step in range(max(counts)):
-            logits = self.model.logits(hidden)
+            logits = self.model.draft_logits(hidden)
             tokens = self._pick_drafts(seqs, logits, probs)
             steps.append(tokens)
             if step + 1 == max(counts):

@@ -3,7 +3,7 @@
     python -m engine.bench [--preset qwen3.5-35b-a3b | --preset tiny | --model PATH]
         [--workloads a,b,c,d,e,f,g,h,i,j] [--quick] [--max-seconds S] [--device cuda] [--dtype bfloat16]
         [--kv-cache-gib G] [--kv-cache-dtype auto|fp8] [--block-size 16] [--long-prompt 131072,262144,1M]
-        [--speculative]
+        [--speculative] [--draft-head model|fp8]
         [--json PATH]
     enclave bench ...   (the same arguments)
 
@@ -66,7 +66,7 @@ from engine.env import engine_env
 from engine.errors import EngineError
 from engine.model.fp8_linear import quantize_model_
 from engine.model.model import CausalLM
-from engine.options import KV_CACHE_DTYPES, QUANTIZATIONS, EngineOptions
+from engine.options import DRAFT_HEADS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_dtype=args.kv_cache_dtype,
         speculative=args.speculative,
         block_size=args.block_size,
+        draft_head=args.draft_head,
     )
     bandwidth, matmul = measure_device(device, dtype, args.quick)
     say(f"building {args.model or args.preset} on {device} as {dtype}")
@@ -302,6 +303,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--block-size", type=int, default=BLOCK_SIZE, help=f"{_doc('block_size')} (default {BLOCK_SIZE})"
     )
+    parser.add_argument("--draft-head", choices=DRAFT_HEADS, default="model", help=_doc("draft_head"))
     parser.add_argument("--json", default=str(DEFAULT_JSON), help="write the results here ('' for none)")
     args = parser.parse_args(argv)
     if args.long_prefill_chunk is not None and args.long_prefill_chunk < 1:

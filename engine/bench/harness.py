@@ -56,6 +56,7 @@ class Bench:
             "max_num_batched_tokens": self.settings.max_num_batched_tokens,
             "long_prefill_chunk": self.settings.long_prefill_chunk,
             "block_size": self.settings.block_size,
+            "draft_head": self.settings.draft_head,
             "max_prefixes": 0,
             "kv_cache_dtype": self.settings.kv_cache_dtype,
         }

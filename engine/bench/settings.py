@@ -87,3 +87,4 @@ class Settings:
     kv_cache_dtype: str = "auto"  # every workload's engine option (auto: the model's dtype; fp8)
     speculative: bool = False  # (b) also decodes each batch with controlled-acceptance speculation
     block_size: int = BLOCK_SIZE  # the engines' KV block size (positions per block)
+    draft_head: str = "model"  # the engines' `draft_head` option: the lm_head MTP drafts are scored with

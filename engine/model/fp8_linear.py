@@ -9,6 +9,8 @@ scales (`use_fp8_experts_`) while the model is still on the meta device, then fi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -65,6 +67,27 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+
+
+@dataclass(frozen=True)
+class Fp8DraftHead:
+    """A block-scaled e4m3 copy of the lm_head that scores MTP drafts only (option `draft_head="fp8"`): a
+    draft reads half the lm_head's bf16 bytes (about 0.5 of 1 GB on Qwen3.5-35B-A3B). The main model's
+    logits, and so verification, keep the checkpoint's head. Not a module: it is no part of `state_dict()`."""
+
+    weight: torch.Tensor  # [V, H] e4m3
+    weight_scale_inv: torch.Tensor  # [ceil(V / 128), ceil(H / 128)] fp32
+    block: tuple[int, int] = (128, 128)
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> Fp8DraftHead:
+        """Quantised from the lm_head's (or the tied embeddings') weight [V, H]."""
+        q, scale = kernels.quantize_block_fp8_weight(weight.detach(), block)
+        return cls(q, scale, block)
+
+    def __call__(self, normed: torch.Tensor) -> torch.Tensor:
+        """[N, H] normed hidden states -> [N, V] fp32 draft logits."""
+        return kernels.fp8_block_linear(normed, self.weight, self.weight_scale_inv, None, self.block).float()
 
 
 def is_fp8_projection(name: str, module: nn.Module) -> bool:

@@ -15,6 +15,7 @@ from engine.config import ModelConfig
 from engine.kernels import SeqLayout
 from engine.model.decoder import DecoderLayer
 from engine.model.deltanet import GatedDeltaNet
+from engine.model.fp8_linear import Fp8DraftHead
 from engine.model.moe import SparseMoe
 from engine.model.mtp import MTPHead
 from engine.model.norm import RMSNorm
@@ -49,6 +50,7 @@ class CausalLM(nn.Module):
         self.mtp = MTPHead(config, num_mtp_layers) if num_mtp_layers else None
         inv_freq, self.rope_scale = rope_parameters(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.draft_head: Fp8DraftHead | None = None  # `use_fp8_draft_head_`
 
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers (after the module was built on the meta device)."""
@@ -84,8 +86,20 @@ class CausalLM(nn.Module):
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """[N, H] normed hidden states -> [N, V] fp32 logits."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(normed, weight).float()
+        return torch.nn.functional.linear(normed, self._head_weight()).float()
+
+    def draft_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The logits MTP drafts are picked from: the FP8 draft head's where one was made
+        (`use_fp8_draft_head_`), else `logits`."""
+        return self.logits(normed) if self.draft_head is None else self.draft_head(normed)
+
+    def use_fp8_draft_head_(self) -> None:
+        """Score drafts with a block-scaled e4m3 copy of the lm_head (option `draft_head="fp8"`); once."""
+        if self.draft_head is None:
+            self.draft_head = Fp8DraftHead.of(self._head_weight())
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def mtp_hidden(
         self,

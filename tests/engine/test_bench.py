@@ -91,6 +91,28 @@ def test_block_size_reaches_every_engine(monkeypatch, tmp_path):
     assert not [p for p in report["workloads"]["b"] if "error" in p]
 
 
+def test_draft_head_reaches_the_speculating_engines(monkeypatch, tmp_path):
+    """--draft-head fp8: (f)'s MTP steps score drafts with the e4m3 copy (issue 18: its cost measured)."""
+    import engine.bench.harness as harness
+
+    heads = []
+    real = harness.build_core
+
+    def recording(model, plan, options, *args, **kwargs):
+        core = real(model, plan, options, *args, **kwargs)
+        if core.runner.k:
+            heads.append(model.draft_head is not None)
+        return core
+
+    monkeypatch.setattr(harness, "build_core", recording)
+    path = tmp_path / "bench.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--quick", "--workloads", "f"]
+    assert bench.main([*argv, "--draft-head", "fp8", "--max-seconds", "60", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["configuration"]["settings"]["draft_head"] == "fp8"
+    assert heads and all(heads)
+
+
 def test_fp8_kv_cache_runs_batch_decode_and_documents(tmp_path):
     """--kv-cache-dtype fp8 reaches every workload's engine and the byte count (e4m3 plus scales)."""
     path = tmp_path / "bench.json"
