@@ -10,7 +10,8 @@ sequences verifying k drafts each (T = B (k+1) tokens):
                  k+1 positions written) and its DeltaNet state read and written, plus k more states written
                  (the verify scratch);
     MTP head     k > 0: the head over the T positions (its dense weights, the experts T tokens touch), then
-                 k - 1 more passes over B tokens, and the lm_head once per draft; k = 0: only the K/V
+                 k - 1 more passes over B tokens, and the draft head once per draft (the lm_head, or its e4m3
+                 copy with `draft_head="fp8"`); k = 0: only the K/V
                  projections that keep its cache whole (fc and qkv_proj);
 
 A step takes the longer of its bytes over the bandwidth and its GEMMs' FLOPs over the matrix rate (large
@@ -74,6 +75,7 @@ class ModelBytes:
     kv_position: float  # KV bytes of one position over the main model's attention layers
     state: float  # one slot's DeltaNet state over all layers
     lm_head: float
+    draft_head: float  # what a draft reads of the head it is scored with (`draft_head="fp8"`: the e4m3 copy)
     mtp_fixed: float  # the MTP head's weights but its routed experts
     mtp_expert: float
     mtp_fill: float  # the MTP head's fc and qkv_proj: all a k = 0 step runs of it
@@ -105,6 +107,9 @@ class ModelBytes:
         expert_params = [(m.w13[0].numel() + m.w2[0].numel()) * k for m in main_moe + mtp_moe]
         embed = model.model.embed_tokens.weight
         head = size(embed if model.lm_head is None else model.lm_head.weight)  # tied: the table is the head
+        draft = head
+        if model.draft_head is not None:
+            draft = size(model.draft_head.weight) + size(model.draft_head.weight_scale_inv)
         fill = 0
         if model.mtp is not None:
             layer = model.mtp.layers[0]
@@ -120,6 +125,7 @@ class ModelBytes:
             kv_position=attention_layers * 2 * config.num_key_value_heads * config.head_dim * kv_itemsize,
             state=state_bytes,
             lm_head=head,
+            draft_head=draft,
             mtp_fixed=mtp,
             mtp_expert=expert_of[-1] if mtp_moe else 0.0,
             mtp_fill=fill,
@@ -157,7 +163,7 @@ class StepCost:
             return main + m.mtp_fill
         head = m.mtp_fixed + touched(tokens, m.num_experts, m.top_k) * m.mtp_expert
         head += (k - 1) * (m.mtp_fixed + touched(seqs, m.num_experts, m.top_k) * m.mtp_expert)
-        return main + head + k * m.lm_head
+        return main + head + k * m.draft_head
 
     def step_flops(self, seqs: int, k: int, speculating: bool = True) -> float:
         """The GEMMs' FLOPs: every token through the main model and its logits row; drafting, the head

@@ -72,3 +72,17 @@ def test_the_copys_logits_are_the_heads_within_e4m3_rounding(mtp_dir):
     spread = head.std().item()
     assert (draft - head).abs().mean().item() < 0.05 * spread
     assert (draft.argmax(-1) == head.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_the_cost_model_counts_the_copys_bytes_per_draft(mtp_dir):
+    from engine.spec_cost import ModelBytes
+
+    with engine(mtp_dir) as e:
+        model = e.model
+        before = ModelBytes.of(model, 4, 0)
+        model.use_fp8_draft_head_()
+        after = ModelBytes.of(model, 4, 0)
+    v, h = model._head_weight().shape
+    scales = -(-v // 128) * -(-h // 128) * 4
+    assert before.draft_head == before.lm_head == v * h * 4  # fp32 here
+    assert after.draft_head == v * h + scales and after.lm_head == before.lm_head
