@@ -69,48 +69,43 @@ def test_repeat_runs_each_workload_again_in_the_same_process(tmp_path):
     assert report["configuration"]["repeat"] == 2
 
 
-def test_block_size_reaches_every_engine(monkeypatch, tmp_path):
-    """--block-size sets the KV block size of the workloads' engines (issue 19: 64-position blocks)."""
+def recorded_cores(monkeypatch) -> list:
+    """Every engine core the bench's workloads build, in order."""
     import engine.bench.harness as harness
 
-    sizes = []
+    cores = []
     real = harness.build_core
 
     def recording(*args, **kwargs):
-        core = real(*args, **kwargs)
-        sizes.append(core.cache.block_size)
-        return core
+        cores.append(real(*args, **kwargs))
+        return cores[-1]
 
     monkeypatch.setattr(harness, "build_core", recording)
+    return cores
+
+
+def test_block_size_reaches_every_engine(monkeypatch, tmp_path):
+    """--block-size sets the KV block size of the workloads' engines (issue 19: 64-position blocks)."""
+    cores = recorded_cores(monkeypatch)
     path = tmp_path / "bench.json"
     argv = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--quick", "--workloads", "a,b"]
     assert bench.main([*argv, "--block-size", "64", "--max-seconds", "60", "--json", str(path)]) == 0
     report = json.loads(path.read_text())
     assert report["configuration"]["block_size"] == 64
-    assert sizes and set(sizes) == {64}
+    assert cores and {core.cache.block_size for core in cores} == {64}
     assert not [p for p in report["workloads"]["b"] if "error" in p]
 
 
 def test_draft_head_reaches_the_speculating_engines(monkeypatch, tmp_path):
     """--draft-head fp8: (f)'s MTP steps score drafts with the e4m3 copy (issue 18: its cost measured)."""
-    import engine.bench.harness as harness
-
-    heads = []
-    real = harness.build_core
-
-    def recording(model, plan, options, *args, **kwargs):
-        core = real(model, plan, options, *args, **kwargs)
-        if core.runner.k:
-            heads.append(model.draft_head is not None)
-        return core
-
-    monkeypatch.setattr(harness, "build_core", recording)
+    cores = recorded_cores(monkeypatch)
     path = tmp_path / "bench.json"
     argv = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--quick", "--workloads", "f"]
     assert bench.main([*argv, "--draft-head", "fp8", "--max-seconds", "60", "--json", str(path)]) == 0
     report = json.loads(path.read_text())
     assert report["configuration"]["settings"]["draft_head"] == "fp8"
-    assert heads and all(heads)
+    speculating = [core for core in cores if core.runner.k]
+    assert speculating and all(core.runner.model.draft_head is not None for core in speculating)
 
 
 def test_fp8_kv_cache_runs_batch_decode_and_documents(tmp_path):
