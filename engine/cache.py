@@ -123,8 +123,17 @@ class ModelCache:
         return [s for s in self.layers.values() if isinstance(s, PagedKV)] + self.mtp_layers
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
-        """Copy the DeltaNet state of slots `src` into slots `dst` (pairwise), in every layer."""
+        """Copy the DeltaNet state of slots `src` into slots `dst` (pairwise), in every layer.
+
+        One pair (a verify step's commit at batch 1, a prefix's fork) is a strided copy per pool: no index
+        tensors uploaded (`torch.tensor(..., device=cuda)` waits for the device) and no gathered temporary
+        (60 MiB of recurrent state at the full geometry, written and read again): two eager launches
+        instead of six."""
         if not src:
+            return
+        if len(src) == 1:
+            self.conv_pool[:, dst[0]].copy_(self.conv_pool[:, src[0]])
+            self.recurrent_pool[:, dst[0]].copy_(self.recurrent_pool[:, src[0]])
             return
         s = torch.tensor(src, device=self.device)
         d = torch.tensor(dst, device=self.device)

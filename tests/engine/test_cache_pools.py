@@ -361,19 +361,31 @@ def test_kv_index_needs_block_tables():
         layout.slot_mapping("cpu")
 
 
-def test_copying_slots_is_one_scatter_per_pool_whatever_the_layers():
-    """A verify step's commit copies one slot's DeltaNet state in every layer: two index_put launches in all
-    (the conv and recurrent pools), not two per layer, and every layer's state moves."""
+@pytest.mark.parametrize(
+    ("src", "dst", "launches"),
+    [
+        # A verify step's commit at batch 1: a strided copy per pool, no index tensors, no gathered temporary.
+        ([1], [3], {"aten::copy_": 2, "aten::index": 0, "aten::index_put_": 0}),
+        # Several pairs: a gather and a scatter per pool.
+        ([1, 0], [3, 2], {"aten::index": 2, "aten::index_put_": 2}),
+    ],
+)
+def test_copying_slots_launches_per_pool_whatever_the_layers(src, dst, launches):
+    """Copying slots moves every DeltaNet layer's conv and recurrent state with launches per pool (the
+    counts given), not per layer, and leaves the other slots alone."""
     config = small_config()
     cache = ModelCache(config, num_slots=4, num_blocks=2, block_size=4, device="cpu", dtype=torch.float32)
     for state in cache.linear_states():
         state.conv.normal_()
         state.recurrent.normal_()
         assert state.conv._base is cache.conv_pool and state.recurrent._base is cache.recurrent_pool
-    before = [(s.conv[1].clone(), s.recurrent[1].clone()) for s in cache.linear_states()]
+    before = [(s.conv.clone(), s.recurrent.clone()) for s in cache.linear_states()]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        cache.copy_slots([1], [3])
-    scatters = [e for e in prof.events() if e.name == "aten::index_put_"]
-    assert len(scatters) == 2, [e.name for e in prof.events()]
+        cache.copy_slots(src, dst)
+    names = [e.name for e in prof.events()]
+    assert {name: names.count(name) for name in launches} == launches, names
     for state, (conv, rec) in zip(cache.linear_states(), before, strict=True):
-        assert torch.equal(state.conv[3], conv) and torch.equal(state.recurrent[3], rec)
+        for slot in range(4):
+            origin = src[dst.index(slot)] if slot in dst else slot
+            assert torch.equal(state.conv[slot], conv[origin])
+            assert torch.equal(state.recurrent[slot], rec[origin])
