@@ -5,6 +5,7 @@
 #   STEPS="bench" bash benchmarks/h200_session.sh --quick --workloads a,b     (another: calls are <= 10 min)
 #   STEPS="micro profile" ...   kernel microbenchmarks (benchmarks/kernels_*.py) and one-step profiles
 #   STEPS="attention" ...       prefill attention kernels against flash SDPA (attention_prefill.{txt,json})
+#   STEPS="verify" ...          issue 18: verify-step profiles, 2-4-row projections (then (f) in another call)
 # Each step's time limit has an environment override (GPU_TESTS_LIMIT, KV_TESTS_LIMIT, BENCH_LIMIT, ...), and
 # GPU_TESTS_PATHS narrows the gpu tests, so one call fits under the device's 10 minutes.
 # Writes under $OUT: gpu.txt (GPU and stack), kernels.txt (kernel tests compiled on the GPU), gpu_tests.txt
@@ -46,6 +47,12 @@ for step in $STEPS; do
       run attention_block64 "${BLOCK64_LIMIT:-60}" python benchmarks/attention_prefill.py --block-size 64 --cases 8192,8192@131072 \
         --json "$OUT/attention_prefill_block64.json" ;;
     profile) run profile 150 python benchmarks/profile_step.py --out "$OUT" --rows 30 ;;
+    verify)  # issue 18: (f)'s plain and verify steps profiled as (f) runs them (PDL on), and the dense
+      # projections at 2-4 rows, Triton tiles against cuBLAS (benchmarks/verify_step_ops.py's predicted 0.21 ms)
+      run profile_verify "${PROFILE_LIMIT:-200}" python benchmarks/profile_step.py --out "$OUT" --rows 40 \
+        --cases verify0,verify1,verify3
+      run linear_rows "${LINEAR_LIMIT:-240}" python benchmarks/kernels_linear.py --rows 1,2,3,4 --sweep \
+        --shapes in_proj_qkvz,out_proj,qkv_proj --json "$OUT/kernels_linear_rows.json" ;;
     fp8_tests) run fp8_tests 200 python -m pytest -q -p no:cacheprovider $CUT -m gpu \
         tests/engine/kernels/test_moe_fp8_triton.py tests/engine/kernels/test_fp8_triton.py \
         tests/engine/kernels/test_moe_triton.py tests/engine/test_fp8_experts.py tests/engine/test_fp8.py ;;

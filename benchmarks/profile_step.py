@@ -5,11 +5,11 @@
 
 For each case (a prefill step of 2 x 4096 prompt tokens, decode steps at batch 1 and 64, and a mixed step of
 512 decoding sequences beside a whole step of prompt chunks, `mixed1` beside one 1,024-token prompt, as
-workload (h) runs them) it prints the step's wall time, the
-device time the profiler saw, the number of kernel launches, and the ops that took most device time and
-most host time. Take profiles for tuning with ENCLAVE_PDL=0: with PDL a kernel launched early waits inside
-the kernel, and the profiler counts the wait as its time. Tables go to stdout and, with --out, to
-DIR/profile_<case>.txt; the summary to DIR/profile.json.
+workload (h) runs them; `verify0`-`verify3`, workload (f)'s synchronous batch-1 plain step and verify steps
+of 1-3 drafts) it prints the step's wall time, the device time the profiler saw, the number of kernel
+launches, and the ops that took most device time and most host time. Take profiles for tuning with
+ENCLAVE_PDL=0: with PDL a kernel launched early waits inside the kernel, and the profiler counts the wait as
+its time. Tables go to stdout and, with --out, to DIR/profile_<case>.txt; the summary to DIR/profile.json.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from engine.bench.harness import Bench
 from engine.bench.presets import PRESETS, random_model
 from engine.bench.settings import GIB, QUICK, Settings
 from engine.bench.traffic import param_counts
+from engine.bench.workloads import repeat_last_drafter
 from engine.config import config_from_dict
 from engine.model.fp8_linear import quantize_model_
 from engine.sequence import Sequence
@@ -98,6 +99,25 @@ def case_step(b: Bench, core, name: str, rows: int, out: Path | None, wall: floa
     return {"wall_ms": wall * 1e3, "device_ms": device_us / 1e3, "kernels": launches}
 
 
+def verify(b: Bench, k: int, prompt: int, rows: int, out: Path | None) -> dict:
+    """A batch-1 step verifying `k` drafts as workload (f) times it: synchronous, the drafts repeating the
+    last token (`repeat_last_drafter`: the verify pass alone, without the MTP head's drafting), so on random
+    weights every draft is rejected and every step commits a kept DeltaNet state; k = 0 is the plain step (f)
+    compares them with. One step profiled after warm-up (graphs captured)."""
+    max_len = prompt + 64 * (k + 1)
+    core = b.core(1, max_len, k, repeat_last_drafter if k else None, asynchronous=False)
+    seqs = b.add(core, 1, prompt, 48 * (k + 1), max_len)
+    while not seqs[0].output_ids:
+        core.step()
+    for _ in range(4):
+        core.step()
+    sync(b.device)
+    start = time.perf_counter()
+    core.step()
+    sync(b.device)
+    return case_step(b, core, f"verify{k}", rows, out, time.perf_counter() - start)
+
+
 def core_for(b: Bench, seqs: int, max_len: int):
     """`b.core`, with room for the DeltaNet states of more than 64 sequences on CUDA (60 MB each)."""
     settings = b.settings
@@ -142,7 +162,8 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3.5-35b-a3b")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--rows", type=int, default=25)
-    parser.add_argument("--cases", default="prefill,decode1,decode64")  # and decode512, mixed, mixed1
+    # and decode512, mixed, mixed1, verify0-3 ((f)'s plain and verify steps, synchronous, at batch 1)
+    parser.add_argument("--cases", default="prefill,decode1,decode64")
     parser.add_argument("--quantization", choices=("none", "fp8"), default="none")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -158,6 +179,10 @@ def main() -> None:
     summary = {}
     with torch.inference_mode():
         for name in args.cases.split(","):
+            if name.startswith("verify"):  # verify0 (the plain step, synchronous), verify1-3
+                k, prompt = int(name.removeprefix("verify")), plans["decode1"][1]
+                summary[name] = verify(b, k, prompt, args.rows, args.out)
+                continue
             if name in ("mixed", "mixed1"):  # beside a whole step of prompt chunks, or one prompt's
                 waiting = 4 if name == "mixed" else 1
                 shape = (8, waiting, 1024) if small else (512, 64 if name == "mixed" else 1, 1024)
