@@ -61,6 +61,9 @@ class Launched:
     # MTP head's K/V for the step's positions were queued at launch (next_k 0: the step may be deferred).
     next_k: int | None = None
     filled: bool = False
+    # [drafts] int64: the values of the drafts the step verifies that were still on the device (PENDING in
+    # the sequences), in item order; `sample` reads them with the tokens, in one copy
+    drafted: torch.Tensor | None = None
 
     def token_rows(self) -> list[int | None]:
         """Per item, its (first) row in `tokens`, or None when it samples nothing."""
@@ -122,7 +125,7 @@ class ModelRunner:
         items = out.scheduled
         if not items:
             return None
-        layout, ids = self._batch(items, previous, nonblocking)
+        layout, ids, drafted = self._batch(items, previous, nonblocking)
         hidden = self.graphs.run(layout, ids) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model(ids, layout, self.cache)
@@ -135,7 +138,7 @@ class ModelRunner:
             mtp_input = normed if self.mtp_hidden == "normed" else hidden
         else:
             logits = self.model.logits(self.model.final_norm(hidden if wanted is None else hidden[wanted]))
-        launched = Launched(items, layout, emit_rows, logits, None, mtp_input)
+        launched = Launched(items, layout, emit_rows, logits, None, mtp_input, drafted=drafted)
         if previous is not None and self.samples_late and self._processed(items):
             return launched  # `finish` samples it once the previous step's tokens are read
         launched = self.finish(launched)
@@ -276,10 +279,14 @@ class ModelRunner:
 
     def _batch(
         self, items: list[ScheduledSeq], previous: Launched | None, nonblocking: bool
-    ) -> tuple[SeqLayout, torch.Tensor]:
+    ) -> tuple[SeqLayout, torch.Tensor, torch.Tensor | None]:
+        """The step's layout, its input ids on the device, and the values of the drafts it verifies that are
+        still on the device (None when it has none)."""
         ids: list[int] = []
         state_out: list[tuple[int, ...]] = []
         pending: list[tuple[int, int]] = []  # (flat position, row of the previous step's tokens)
+        on_device: list[torch.Tensor] = []  # drafts still on the device (PENDING here), in item order
+        draft_at: list[int] = []  # their flat positions
         rows = _rows_by_seq(previous)
         verifying = 0
         for item in items:
@@ -288,7 +295,12 @@ class ModelRunner:
             if known and known[-1] == PENDING:
                 pending.append((len(ids) + len(known) - 1, rows[seq]))
             ids += known
-            ids += item.drafts
+            if item.drafts and item.drafts[0] == PENDING:
+                draft_at += range(len(ids), len(ids) + len(item.drafts))
+                on_device.append(seq.draft_on_device[: len(item.drafts)])
+                ids += [0] * len(item.drafts)
+            else:
+                ids += item.drafts
             if item.drafts:
                 base = self.plan.num_slots + verifying * self.k
                 verifying += 1
@@ -305,7 +317,12 @@ class ModelRunner:
             self.cache.block_size,
             tuple(state_out) if verifying else None,
         )
-        return layout, self._ids(ids, pending, previous, nonblocking)
+        device_ids = self._ids(ids, pending, previous, nonblocking)
+        if not on_device:
+            return layout, device_ids, None
+        drafted = torch.cat(on_device)
+        device_ids[self._to_device(draft_at)] = drafted  # device to device: the host never read them
+        return layout, device_ids, drafted
 
     def _ids(
         self, ids: list[int], pending: list[tuple[int, int]], previous: Launched | None, nonblocking: bool
@@ -352,7 +369,14 @@ class ModelRunner:
         after them (committing the DeltaNet state of the accepted length), with log-probs where asked for."""
         items, emit_rows, logits = launched.items, launched.emit_rows, launched.logits
         raw = launched.raw_logits if launched.raw_logits is not None else logits
-        argmax = launched.tokens.tolist()
+        verified = [list(item.drafts) for item in items]  # each item's drafts' values
+        if launched.drafted is None:
+            argmax = launched.tokens.tolist()
+        else:  # drafts still on the device: read with the tokens, in one copy
+            rows = launched.tokens.shape[0]
+            both = torch.cat((launched.tokens, launched.drafted)).tolist()
+            argmax, values = both[:rows], iter(both[rows:])
+            verified = [[next(values) for _ in d] if d and d[0] == PENDING else d for d in verified]
         sampled: list[Sampled] = []
         commits: list[tuple[int, int]] = []
         offset = 0
@@ -362,7 +386,7 @@ class ModelRunner:
             if not rows or seq.finished:  # finished: its end was read after this step was launched
                 sampled.append(NOTHING)
                 continue
-            drafts = list(item.drafts)
+            drafts = verified[index]
             if seq.params.greedy:
                 targets = argmax[block]
                 if self.force_targets is not None and drafts:
@@ -458,12 +482,18 @@ class ModelRunner:
                 self.cache.block_size,
             )
             hidden = self._mtp_pass(tokens, hidden, step_layout, step + 1)
-        drafts = torch.stack(steps, dim=1).tolist()  # [B, k]: the host reads every draft once, at the end
         if after_head:
             return self._stand_in(wanting, proposed, k)
+        stacked = torch.stack(steps, dim=1)  # [B, k]
+        # The drafts stay on the device, as the next step's input ids, read with its tokens: the host
+        # launches it without waiting for the drafting. Masks and penalties need them on the host now.
+        host = stacked.tolist() if any(needs_processing(s) for s in seqs) else None
         for b, (i, item) in enumerate(wanting):
             q = None if item.seq.params.greedy else torch.stack(probs[b][: counts[b]])
-            proposed[i] = Drafts(tuple(drafts[b][: counts[b]]), q)
+            if host is not None:
+                proposed[i] = Drafts(tuple(host[b][: counts[b]]), q)
+            else:
+                proposed[i] = Drafts((PENDING,) * counts[b], q, stacked[b, : counts[b]])
         return proposed
 
     def _stand_in(

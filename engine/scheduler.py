@@ -83,6 +83,9 @@ class Drafts:
 
     ids: tuple[int, ...]
     probs: torch.Tensor | None = None  # [len(ids), V] for sampled requests; None: greedy, or a fixed drafter
+    # [len(ids)] int64 on the device: the drafts' values, where `ids` are PENDING placeholders (the MTP
+    # head's drafts stay on the device; the next step takes them as input ids and reads them with its tokens)
+    on_device: torch.Tensor | None = None
 
 
 class Scheduler:
@@ -257,7 +260,7 @@ class Scheduler:
         self.running.remove(seq)
         self._free(seq)
         seq.num_computed = 0
-        seq.draft_ids, seq.draft_probs = [], None
+        seq.draft_ids, seq.draft_probs, seq.draft_on_device = [], None, None
         seq.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)
@@ -334,14 +337,19 @@ class Scheduler:
                 appended += 1
                 if seq.finished:
                     break
-            seq.draft_ids, seq.draft_probs = [], None
+            seq.draft_ids, seq.draft_probs, seq.draft_on_device = [], None, None
         return appended
 
     def set_drafts(self, out: SchedulerOutput, drafts: list[Drafts | None]) -> None:
         """Keep the drafts proposed for the next step (None: nothing proposed for that sequence)."""
         for item, proposed in zip(out.scheduled, drafts, strict=True):
             if proposed is not None:
-                item.seq.draft_ids, item.seq.draft_probs = list(proposed.ids), proposed.probs
+                seq = item.seq
+                seq.draft_ids, seq.draft_probs, seq.draft_on_device = (
+                    list(proposed.ids),
+                    proposed.probs,
+                    proposed.on_device,
+                )
 
     def update(self, out: SchedulerOutput, accepted: list[int]) -> list[Sequence]:
         """Advance each scheduled sequence by its computed tokens (and `accepted` drafts); free the finished.

@@ -84,6 +84,7 @@ class Sequence:
         self.blocks: list[int] = []
         self.draft_ids: list[int] = []
         self.draft_probs: torch.Tensor | None = None  # [len(draft_ids), V] for sampled requests
+        self.draft_on_device: torch.Tensor | None = None  # PENDING draft_ids' values (`Drafts.on_device`)
         self.num_preemptions = 0
         self.compute_target: int | None = None  # a prefix fill stops computing here and never samples
         self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids), arrival_time=time.monotonic())

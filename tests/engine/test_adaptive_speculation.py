@@ -122,8 +122,9 @@ def head_drafts(e, prompt, params) -> tuple[list[int], dict[int, tuple[int, ...]
 
     def record(out, drafts):
         for item, proposed in zip(out.scheduled, drafts, strict=True):
-            if proposed is not None:
-                seen[len(item.seq.output_ids)] = proposed.ids
+            if proposed is not None:  # the values, read here, of drafts the runner keeps on the device
+                values = proposed.ids if proposed.on_device is None else tuple(proposed.on_device.tolist())
+                seen[len(item.seq.output_ids)] = values
         set_drafts(out, drafts)
 
     e.core.scheduler.set_drafts = record
@@ -174,18 +175,26 @@ def test_k0_steps_keep_the_heads_cache_whole(adaptive, mtp_dir, monkeypatch, fil
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_drafting_reads_the_drafts_once_per_step(mtp_dir, reference, monkeypatch, temperature):
-    """The head's k drafts stay on the device from one draft step to the next: one host read per step (it
-    was one per draft), and greedy outputs still equal plain ones."""
+def test_drafting_reads_no_draft_and_the_verify_step_reads_them_with_its_tokens(
+    mtp_dir, reference, monkeypatch, temperature
+):
+    """The head's k drafts stay on the device from one draft step to the next and into the next step's input
+    ids: drafting reads nothing (it read once per draft, then once per step), the verify step reads them
+    with its tokens in one copy, and greedy outputs still equal plain ones."""
     prompts, expected = reference
     params = SamplingParams(max_tokens=14, temperature=temperature, seed=3, ignore_eos=True)
     reads: list[int] = []
     tolist = torch.Tensor.tolist
 
-    def counted(self):
-        # The runner's own reads (the CPU's reference kernels read routing on the host too).
-        reads[-1] += sys._getframe(1).f_code.co_filename.endswith(os.path.join("engine", "runner.py"))
-        return tolist(self)
+    def counted_in(counts: list[int]):
+        def counted(self):
+            # The runner's own reads (the CPU's reference kernels read routing on the host too).
+            counts[-1] += sys._getframe(1).f_code.co_filename.endswith(os.path.join("engine", "runner.py"))
+            return tolist(self)
+
+        return counted
+
+    counted = counted_in(reads)
 
     with engine(mtp_dir, num_speculative_tokens=3) as e:
         draft = e.core.runner.draft
@@ -199,11 +208,24 @@ def test_drafting_reads_the_drafts_once_per_step(mtp_dir, reference, monkeypatch
                 monkeypatch.setattr(torch.Tensor, "tolist", tolist)
 
         e.core.runner.draft = drafting
+        sample = e.core.runner.sample
+        sample_reads: list[int] = []
+
+        def sampling(launched):
+            sample_reads.append(0)
+            monkeypatch.setattr(torch.Tensor, "tolist", counted_in(sample_reads))
+            try:
+                return sample(launched)
+            finally:
+                monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+
+        e.core.runner.sample = sampling
         outs = e.generate(prompts, params)
     if temperature == 0:
         assert tokens(outs) == expected
     assert e.stats().draft_tokens > 0
-    assert reads and max(reads) == 1, reads
+    assert reads and max(reads) == 0, reads
+    assert sample_reads and max(sample_reads) == 1, sample_reads
 
 
 def test_the_warm_up_leaves_the_policy_as_new(adaptive, mtp_dir, reference):

@@ -116,8 +116,9 @@ def test_launched_is_a_frozen_record_with_rows_aligned_to_the_items(demo):
     assert [(i.num_new, i.samples) for i in launched.items] == [(5, True), (1, False)]
     assert launched.token_rows() == [0, None]
     assert launched.tokens.shape == (1,) and launched.mtp_input is None
-    # 7: raw_logits, the log-probs of processed rows; 8, 9: next_k and filled, adaptive speculation's
-    assert len(dataclasses.fields(launched)) <= 9
+    # 7: raw_logits, the log-probs of processed rows; 8, 9: next_k and filled, adaptive speculation's;
+    # 10: drafted, the verified drafts' values still on the device
+    assert len(dataclasses.fields(launched)) <= 10
     with pytest.raises(dataclasses.FrozenInstanceError):
         launched.tokens = None
     assert c.runner.sample(launched)[1] is NOTHING
