@@ -22,7 +22,7 @@ from engine.kernels.norm import add_rms_norm, add_rms_norm_fp8, gated_rms_norm, 
 from engine.kernels.qk_norm_rotary import qk_norm_rotary
 from engine.kernels.rotary import apply_rotary, rotary_cos_sin
 from engine.kernels.sampling import sample_filtered
-from engine.kernels.sigmoid_gate import sigmoid_gate
+from engine.kernels.sigmoid_gate import sigmoid_gate, sigmoid_gate_fp8
 
 __all__ = [
     "SeqLayout",
@@ -50,5 +50,6 @@ __all__ = [
     "rotary_cos_sin",
     "sample_filtered",
     "sigmoid_gate",
+    "sigmoid_gate_fp8",
     "store_kv",
 ]

@@ -50,7 +50,12 @@ class GatedAttention(nn.Module):
         k, v = k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
         q, k = kernels.qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
         out = kernels.attention(q, k, v, kv.k, kv.v, layout, d**-0.5, kv.k_scale, kv.v_scale)  # [T, Hq, D]
-        return self.o_proj(kernels.sigmoid_gate(out, gate).reshape(t, self.num_heads * d))
+        group = fp8_group(self.o_proj)
+        if group is None or d % group or group & (group - 1):
+            return self.o_proj(kernels.sigmoid_gate(out, gate).reshape(t, self.num_heads * d))
+        # An FP8 o_proj: the gate quantises its output in the same kernel, so o_proj runs no quantiser.
+        gated, xq = kernels.sigmoid_gate_fp8(out, gate, group)
+        return project(self.o_proj, gated.reshape(t, self.num_heads * d), xq)
 
     def store_kv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV, layout: SeqLayout

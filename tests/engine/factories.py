@@ -146,8 +146,9 @@ def quantize_block_fp8(weight: torch.Tensor, block: int = 128) -> tuple[torch.Te
     return q.to(torch.float8_e4m3fn), scale
 
 
-def write_fp8_copies(source: Path, fp8_dir: Path, dequant_dir: Path) -> None:
-    """From a bf16/fp32 checkpoint write its block-FP8 version and, beside it, the dequantised weights."""
+def write_fp8_copies(source: Path, fp8_dir: Path, dequant_dir: Path, block: int = 128) -> None:
+    """From a bf16/fp32 checkpoint write its block-FP8 version (`block` x `block` scale blocks) and, beside
+    it, the dequantised weights."""
     import json
     import shutil
 
@@ -157,9 +158,9 @@ def write_fp8_copies(source: Path, fp8_dir: Path, dequant_dir: Path) -> None:
     fp8, dequant = {}, {}
     for name, t in tensors.items():
         if t.ndim == 2 and not any(s in name for s in FP8_SKIP):
-            q, scale = quantize_block_fp8(t)
+            q, scale = quantize_block_fp8(t, block)
             fp8[name], fp8[name + "_scale_inv"] = q, scale
-            full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: t.shape[0], : t.shape[1]]
+            full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[: t.shape[0], : t.shape[1]]
             dequant[name] = q.float() * full
         else:
             fp8[name] = dequant[name] = t
@@ -174,7 +175,7 @@ def write_fp8_copies(source: Path, fp8_dir: Path, dequant_dir: Path) -> None:
         "quant_method": "fp8",
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
+        "weight_block_size": [block, block],
         "modules_to_not_convert": ["lm_head", "model.embed_tokens"],
     }
     (fp8_dir / "config.json").write_text(json.dumps(config, indent=2))

@@ -290,3 +290,22 @@ def test_generation_with_triton_fp8_kernels(native, monkeypatch):
     assert "fp8_block_linear" in calls and "moe_experts_fp8" in calls
     assert "add_rms_norm_fp8" in calls  # the norms quantise x for the FP8 projections and experts
     assert {impl for op, impl in variants if op == "moe_experts_fp8"} == {"triton-grouped", "triton-gemv"}
+
+
+def test_an_fp8_o_proj_reads_its_input_quantised_by_the_gate(tmp_path, monkeypatch):
+    """With scale blocks that divide the head size (8 here, as 128 divides Qwen's 256), the attention output
+    gate quantises its output for the FP8 o_proj in the same op (`sigmoid_gate_fp8`): the same numbers as
+    o_proj quantising the gated output itself, so the same logits, bit for bit."""
+    import engine.model.attention as attention
+
+    save_text_model(tmp_path / "bf16", seed=11, **FP8_SHAPES)
+    write_fp8_copies(tmp_path / "bf16", tmp_path / "fp8", tmp_path / "dequant", block=8)
+    engine = Engine.from_pretrained(tmp_path / "fp8", quantization="fp8", **LOAD)
+    assert engine.config.head_dim % 8 == 0
+    calls = []
+    fused = attention.kernels.sigmoid_gate_fp8
+    monkeypatch.setattr(attention.kernels, "sigmoid_gate_fp8", lambda *a: calls.append(a[2]) or fused(*a))
+    fused_logits = all_position_logits(engine, PROMPTS[1])
+    assert calls and set(calls) == {8}
+    monkeypatch.setattr(attention, "fp8_group", lambda module: None)  # o_proj quantises x itself
+    assert torch.equal(all_position_logits(engine, PROMPTS[1]), fused_logits)

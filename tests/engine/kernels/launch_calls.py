@@ -169,6 +169,9 @@ def sigmoid_gate() -> None:
         qg, _, _ = qkv_proj_out(8, dtype)
         out = empty(8, c.num_attention_heads, c.head_dim, dtype=dtype)
         kernels.sigmoid_gate(out, qg[..., c.head_dim :])
+    qg, _, _ = qkv_proj_out(8, BF16)  # the FP8 o_proj's input, quantised by the gate
+    out = empty(8, c.num_attention_heads, c.head_dim, dtype=BF16)
+    kernels.sigmoid_gate_fp8(out, qg[..., c.head_dim :], 128)
 
 
 # ---------------------------------------------------------------------------------------------------------
