@@ -1,9 +1,9 @@
 """The service API's client: every call signed with this home's client key (`pipeline.wire.signing`), each
 answer parsed into its message (`pipeline.wire.messages`), each refusal one `ServiceError` line.
 
-`connect(settings, identity)` talks to `ENCLAVE_SERVICE_URL` when it is set (https with the system's trust
-store, or `ENCLAVE_SERVICE_CA`), else to the same API run in this process over the home's database and broker
-(`pipeline.inprocess`). Nothing here imports a database driver, a broker or the engine.
+`connect(settings, identity, service)` talks to `ENCLAVE_SERVICE_URL` when it is set (https with the system's
+trust store, or `ENCLAVE_SERVICE_CA`), else to the same API run in this process over the home's database and
+broker (`pipeline.inprocess`). Nothing here imports a database driver, a broker or the engine.
 """
 
 from __future__ import annotations
@@ -43,16 +43,19 @@ class Unreachable(UserError):
 
 
 class SignedAuth(httpx.Auth):
-    """Adds the signature headers of `identity` to every request."""
+    """Adds the signature headers of `identity`, for the service whose fingerprint is `service`, to every
+    request."""
 
     requires_request_body = True
 
-    def __init__(self, identity: Identity) -> None:
+    def __init__(self, identity: Identity, service: str) -> None:
         self.identity = identity
+        self.service = service
 
     def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
         target = signing.target_of(request.url.path, request.url.query.decode("ascii"))
-        request.headers.update(signing.sign(self.identity, request.method, target, request.content))
+        headers = signing.sign(self.identity, self.service, request.method, target, request.content)
+        request.headers.update(headers)
         yield request
 
 
@@ -176,9 +179,10 @@ def _refusal(response: httpx.Response) -> ServiceError:
     return cls(response.status_code, code, message)
 
 
-def connect(settings: Settings, identity: Identity) -> ServiceClient:
-    """A client of `settings.service_url` signing as `identity`; without a URL, of the API in this process."""
-    auth = SignedAuth(identity)
+def connect(settings: Settings, identity: Identity, service: str) -> ServiceClient:
+    """A client of `settings.service_url` signing as `identity` for the service whose fingerprint is
+    `service` (the key this home imported); without a URL, of the API in this process."""
+    auth = SignedAuth(identity, service)
     if settings.service_url:
         verify = str(settings.service_ca) if settings.service_ca else True
         http = httpx.Client(base_url=settings.service_url, auth=auth, timeout=TIMEOUT, verify=verify)

@@ -78,7 +78,7 @@ class ClientSession:
                 f"no service public key in {settings.service_key_dir}: get the service's public.json from "
                 "its administrator and run `enclave keys import-service FILE`"
             ) from None
-        self.api = api_client.connect(settings, self.identity)
+        self.api = api_client.connect(settings, self.identity, self.service.fingerprint)
 
     @property
     def fingerprint(self) -> str:

@@ -36,6 +36,7 @@ from starlette.routing import Route
 
 from jobs.bounded_json import JSONInputError
 from jobs.bounded_json import loads as load_json
+from pipeline import keys
 from pipeline.api.admin import Admin
 from pipeline.api.audit import AuditLog, AuditQuery
 from pipeline.api.auth import Authenticator, Caller
@@ -63,7 +64,8 @@ class Service:
         self.max_request_bytes = max_request_bytes
         self.db = Database(settings.database_url)
         self.dispatcher = Dispatcher(settings)
-        self.auth = Authenticator(self.db)
+        # Requests must be signed for this service: its fingerprint, from the home's service key.
+        self.auth = Authenticator(self.db, keys.load_public(settings.service_key_dir).fingerprint)
         self.jobs = Jobs(self.db, settings, self.dispatcher)
         self.admin = Admin(self.db)
         self.audit = AuditLog(self.db)

@@ -37,15 +37,17 @@ class Caller:
 class Authenticator:
     """Checks signed requests against the database's allow-list and nonce store."""
 
-    def __init__(self, db: Database, clock=time.time) -> None:
+    def __init__(self, db: Database, service: str, clock=time.time) -> None:
         self.db = db
+        self.service = service  # this service's fingerprint: the audience a request must be signed for
         self.clock = clock
 
     def authenticate(self, method: str, target: str, headers, body: bytes) -> Caller:
-        """The caller, or `ApiError` 401 naming why: unsigned, bad_signature, stale_request, unknown_client,
-        revoked_client or replayed."""
+        """The caller, or `ApiError` 401 naming why: unsigned, bad_signature, wrong_service, stale_request,
+        unknown_client, revoked_client or replayed."""
         try:
             signed = signing.parse(headers)
+            signing.check_service(signed, self.service)
         except signing.SignatureError as exc:
             raise ApiError(401, exc.code, str(exc)) from None
         now = self.clock()

@@ -190,7 +190,8 @@ def signed_request(
     served: Served, who: str, method: str, path: str, body: bytes = b"", **tamper
 ) -> httpx.Request:
     identity = keys.load_identity(served.clients[who].home / "client")
-    headers = signing.sign(identity, method, path, body, now=tamper.pop("now", None))
+    service = keys.load_public(served.clients[who].home / "service").fingerprint
+    headers = signing.sign(identity, service, method, path, body, now=tamper.pop("now", None))
     headers |= tamper
     return httpx.Request(method, served.url + path, content=body, headers=headers)
 

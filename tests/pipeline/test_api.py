@@ -48,7 +48,7 @@ def test_results_come_a_page_at_a_time_in_submission_order(alice, tmp_path, monk
 
 def test_a_replayed_or_stale_request_is_refused(alice):
     identity = alice.identity
-    headers = signing.sign(identity, "GET", "/v1/jobs", b"")
+    headers = signing.sign(identity, alice.service.fingerprint, "GET", "/v1/jobs", b"")
     http = alice.api.http
     assert (
         http.send(
@@ -58,7 +58,7 @@ def test_a_replayed_or_stale_request_is_refused(alice):
     )
     again = http.send(httpx.Request("GET", http.base_url.join("/v1/jobs"), headers=headers), auth=None)
     assert (again.status_code, again.json()["error"]["code"]) == (401, "replayed")
-    stale = signing.sign(identity, "GET", "/v1/jobs", b"", now=0)
+    stale = signing.sign(identity, alice.service.fingerprint, "GET", "/v1/jobs", b"", now=0)
     answer = http.send(httpx.Request("GET", http.base_url.join("/v1/jobs"), headers=stale), auth=None)
     assert (answer.status_code, answer.json()["error"]["code"]) == (401, "stale_request")
 
@@ -73,7 +73,7 @@ def test_a_replayed_or_stale_request_is_refused(alice):
 )
 def test_a_body_that_is_not_the_message_is_a_400_naming_the_field(alice, body, where):
     http = alice.api.http
-    headers = signing.sign(alice.identity, "POST", "/v1/jobs", body)
+    headers = signing.sign(alice.identity, alice.service.fingerprint, "POST", "/v1/jobs", body)
     answer = http.send(
         httpx.Request("POST", http.base_url.join("/v1/jobs"), content=body, headers=headers), auth=None
     )
@@ -141,17 +141,19 @@ def test_a_request_signed_as_documented_is_accepted(alice):
     assert isinstance(key, Ed25519PrivateKey)
     body, nonce, now = b"", secrets.token_hex(16), int(time.time())
     fields = {
-        "purpose": "enclave-request/1",
+        "purpose": "enclave-request/2",
         "method": "GET",
         "target": "/v1/jobs?limit=5",
         "timestamp": now,
         "nonce": nonce,
         "body_sha256": hashlib.sha256(body).hexdigest(),
         "client": alice.fingerprint,
+        "service": alice.service.fingerprint,
     }
     statement = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     headers = {
         "x-enclave-client": alice.fingerprint,
+        "x-enclave-service": alice.service.fingerprint,
         "x-enclave-timestamp": str(now),
         "x-enclave-nonce": nonce,
         "x-enclave-content-sha256": fields["body_sha256"],
@@ -166,4 +168,23 @@ def test_a_request_signed_as_documented_is_accepted(alice):
     answer = http.send(
         httpx.Request("GET", http.base_url.join("/v1/jobs?limit=5"), headers=headers), auth=None
     )
+    assert (answer.status_code, answer.json()["error"]["code"]) == (401, "bad_signature")
+
+
+def test_a_request_signed_for_another_service_is_refused(alice):
+    """The signature names the service it is for (the key the client imported): a request one service saw
+    cannot be replayed to another that allows the same client. Claiming this service in the header while
+    the signature names another fails the signature."""
+    import secrets
+
+    other = secrets.token_hex(32)  # another service's fingerprint
+    http = alice.api.http
+    url = http.base_url.join("/v1/jobs")
+    headers = signing.sign(alice.identity, other, "GET", "/v1/jobs", b"")
+    answer = http.send(httpx.Request("GET", url, headers=headers), auth=None)
+    assert (answer.status_code, answer.json()["error"]["code"]) == (401, "wrong_service")
+    assert "signed for service" in answer.json()["error"]["message"]
+    headers = signing.sign(alice.identity, other, "GET", "/v1/jobs", b"")
+    headers[signing.SERVICE] = alice.service.fingerprint
+    answer = http.send(httpx.Request("GET", url, headers=headers), auth=None)
     assert (answer.status_code, answer.json()["error"]["code"]) == (401, "bad_signature")
