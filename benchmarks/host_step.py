@@ -62,7 +62,8 @@ def instrument(core, stamps: Stamps):
     stamps.wrap(runner, "_batch", "build")
     if runner.graphs is not None:
         stamps.wrap(runner.graphs, "run", "replay")
-    stamps.wrap(runner, "_emit", "emit")
+    stamps.wrap(runner, "sample", "emit")  # reads the tokens and makes each sequence's `Sampled`
+    stamps.wrap(core.scheduler, "apply", "emit")  # appends them, with the stop checks
     stamps.wrap(runner.model, "logits", "tail")
     stamps.wrap(runner.model, "final_norm", "tail")
     # The token read is the .tolist() inside _tokens: time sample_rows (launch) apart from the read.
@@ -121,7 +122,7 @@ def measure(b, batch: int, prompt: int, steps: int, asynchronous: bool = False) 
     stamps.on = False
     runner_module.sample_rows = original
     per_step = {p: stamps.total[p] / steps * 1e6 for p in PHASES}
-    per_step["emit"] -= per_step["read"]  # _emit reads the tokens (sampled at launch): its own share
+    per_step["emit"] -= per_step["read"]  # `sample` reads the tokens (sampled at launch): its own share
     step_us = wall / steps * 1e6
     # The device waits from the token read's return until the next replay is launched (decode steps).
     idle = sum(per_step[p] for p in ("emit", "update", "schedule", "build", "replay"))
