@@ -139,9 +139,10 @@ class ModelRunner:
         else:
             logits = self.model.logits(self.model.final_norm(hidden if wanted is None else hidden[wanted]))
         launched = Launched(items, layout, emit_rows, logits, None, mtp_input, drafted=drafted)
-        if previous is not None and self.samples_late and self._processed(items):
+        processed = self._processed(items)
+        if processed and previous is not None and self.samples_late:
             return launched  # `finish` samples it once the previous step's tokens are read
-        launched = self.finish(launched)
+        launched = self._finish(launched, processed)
         tokens = launched.tokens
         next_k, filled = None, False
         if self.k and not any(item.drafts for item in items):
@@ -157,9 +158,11 @@ class ModelRunner:
         tokens. `launch` does this itself, except for a step with such requests launched behind a deferred
         one (tokens None): their changes depend on the tokens that step sampled, so the asynchronous core
         reads them first and calls this while the device runs the new step's forward pass."""
+        return self._finish(launched, self._processed(launched.items))
+
+    def _finish(self, launched: Launched, processed: list[ScheduledSeq]) -> Launched:
         items, emit_rows, logits = launched.items, launched.emit_rows, launched.logits
         raw = None
-        processed = self._processed(items)
         if processed:
             if any(item.seq.params.logprobs is not None for item in processed):
                 raw = logits.clone()  # log-probs report the model's distribution, not the masked one

@@ -260,7 +260,7 @@ class Scheduler:
         self.running.remove(seq)
         self._free(seq)
         seq.num_computed = 0
-        seq.draft_ids, seq.draft_probs, seq.draft_on_device = [], None, None
+        seq.clear_drafts()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)
@@ -337,7 +337,7 @@ class Scheduler:
                 appended += 1
                 if seq.finished:
                     break
-            seq.draft_ids, seq.draft_probs, seq.draft_on_device = [], None, None
+            seq.clear_drafts()
         return appended
 
     def set_drafts(self, out: SchedulerOutput, drafts: list[Drafts | None]) -> None:
@@ -345,11 +345,8 @@ class Scheduler:
         for item, proposed in zip(out.scheduled, drafts, strict=True):
             if proposed is not None:
                 seq = item.seq
-                seq.draft_ids, seq.draft_probs, seq.draft_on_device = (
-                    list(proposed.ids),
-                    proposed.probs,
-                    proposed.on_device,
-                )
+                seq.draft_ids, seq.draft_probs = list(proposed.ids), proposed.probs
+                seq.draft_on_device = proposed.on_device
 
     def update(self, out: SchedulerOutput, accepted: list[int]) -> list[Sequence]:
         """Advance each scheduled sequence by its computed tokens (and `accepted` drafts); free the finished.

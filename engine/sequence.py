@@ -132,6 +132,10 @@ class Sequence:
             self.params.max_tokens or self.max_model_len
         )
 
+    def clear_drafts(self) -> None:
+        """Drop the drafts proposed for the next step (appended, or preempted)."""
+        self.draft_ids, self.draft_probs, self.draft_on_device = [], None, None
+
     def reserve(self) -> None:
         """Count a token sampled on the device that the host has not read yet: a PENDING placeholder."""
         self.token_ids.append(PENDING)

@@ -26,20 +26,25 @@ log = logging.getLogger(__name__)
 
 _IMPLEMENTATIONS: dict[str, dict[str, Callable | str]] = {}
 _USAGE: dict[str, str] = {}  # op -> implementation it last ran
+_HELD_BACK: set[str] = set()  # ops whose Triton kernel has not run on a GPU yet: the reference on CUDA
 _LOGGED: set[tuple[str, str]] = set()  # (op, reason) of the fallbacks logged so far
 
 PREFILL_OFF = "ENCLAVE_TRITON_PREFILL=0 sends prefill chunks to the torch reference"
 EMPTY = "empty batch"  # a reason several kernels share; such a fallback is expected (logged at info)
 
 
-def register(op: str, **implementations: Callable | str) -> None:
+def register(op: str, *, on_cuda_by_default: bool = True, **implementations: Callable | str) -> None:
     """Record the implementations of `op`, keyed by backend name (`torch`, `triton`).
 
     An implementation may be given as "module:function", imported on first use: Triton kernels are
     compiled (or, under TRITON_INTERPRET=1, interpreted) as their module is imported, so importing the
-    engine never needs Triton.
+    engine never needs Triton. A kernel graduates into the CUDA path once it has run on a GPU
+    (docs/ARCHITECTURE.md, section 11): until then it is registered with `on_cuda_by_default=False`, and
+    ENCLAVE_KERNELS=auto keeps the reference on CUDA too (ENCLAVE_KERNELS=triton still runs it).
     """
     _IMPLEMENTATIONS.setdefault(op, {}).update(implementations)
+    if not on_cuda_by_default:
+        _HELD_BACK.add(op)
 
 
 def implementation(op: str, name: str) -> Callable:
@@ -65,7 +70,7 @@ def pick(op: str, like: torch.Tensor) -> Callable:
     table = _IMPLEMENTATIONS[op]
     choice = engine_env().kernels
     if choice == "auto":
-        choice = "triton" if like.is_cuda and "triton" in table else "torch"
+        choice = "triton" if like.is_cuda and "triton" in table and op not in _HELD_BACK else "torch"
     elif choice == "triton" and "triton" not in table:
         raise ValueError(f"ENCLAVE_KERNELS=triton, but kernel op {op!r} has no Triton implementation yet")
     _USAGE[op] = choice

@@ -10,6 +10,7 @@ from engine.cache import PagedKV
 from engine.config import ModelConfig
 from engine.kernels import SeqLayout
 from engine.kernels.fp8.reference import Fp8Activation
+from engine.kernels.sigmoid_gate import quantises
 from engine.model.linear import Linear, fp8_group, project
 from engine.model.norm import RMSNorm
 
@@ -51,7 +52,7 @@ class GatedAttention(nn.Module):
         q, k = kernels.qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
         out = kernels.attention(q, k, v, kv.k, kv.v, layout, d**-0.5, kv.k_scale, kv.v_scale)  # [T, Hq, D]
         group = fp8_group(self.o_proj)
-        if group is None or d % group or group & (group - 1):
+        if group is None or not quantises(d, group):
             return self.o_proj(kernels.sigmoid_gate(out, gate).reshape(t, self.num_heads * d))
         # An FP8 o_proj: the gate quantises its output in the same kernel, so o_proj runs no quantiser.
         gated, xq = kernels.sigmoid_gate_fp8(out, gate, group)

@@ -19,5 +19,16 @@ def demo_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def mtp_dir(tmp_path_factory):
+    """A tiny real-layout text checkpoint with an MTP head (read only by the tests that share it)."""
+    from tests.engine.factories import add_mtp, save_text_model
+
+    path = tmp_path_factory.mktemp("mtp-ckpt")
+    save_text_model(path, seed=2)
+    add_mtp(path, seed=9)
+    return path
+
+
+@pytest.fixture(scope="session")
 def demo_engine(demo_dir):
     return Engine.from_pretrained(demo_dir, device="cpu", dtype="float32")

@@ -19,16 +19,6 @@ from tests.engine.test_serving import GREEDY, OracleDrafter, alone, engine, prom
 
 
 @pytest.fixture(scope="module")
-def mtp_dir(tmp_path_factory):
-    from tests.engine.factories import add_mtp, save_text_model
-
-    path = tmp_path_factory.mktemp("adaptive-ckpt")
-    save_text_model(path, seed=2)
-    add_mtp(path, seed=9)
-    return path
-
-
-@pytest.fixture(scope="module")
 def reference(mtp_dir):
     prompts = prompts_for(mtp_dir)
     return prompts, alone(mtp_dir, prompts)

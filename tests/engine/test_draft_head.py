@@ -7,17 +7,8 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.kernels.fp8.reference import dequantize_block_fp8
-from tests.engine.factories import add_mtp, save_text_model
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def mtp_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("draft-head-ckpt")
-    save_text_model(path, seed=4)
-    add_mtp(path, seed=5)
-    return path
 
 
 def engine(path, **options):

@@ -12,17 +12,9 @@ import pytest
 import torch
 
 from engine import Engine, EngineError, SamplingParams
-from tests.engine.factories import add_mtp, save_text_model
+from tests.engine.factories import save_text_model
 
 GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def mtp_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mtp-ckpt")
-    save_text_model(path, seed=2)
-    add_mtp(path, seed=9)
-    return path
 
 
 @pytest.fixture(scope="module", params=["factory", "demo"])

@@ -5,13 +5,10 @@ import torch
 from engine.kernels import dispatch
 from engine.kernels.bitmask import reference
 
-# A kernel graduates into the CUDA path once it has run on a GPU (docs/ARCHITECTURE.md, section 11): until
-# `test_apply_token_bitmask_real_vocab_on_gpu` has passed on the H200, ENCLAVE_KERNELS=auto keeps the
-# reference there and only ENCLAVE_KERNELS=triton runs the kernel.
-ON_CUDA_BY_DEFAULT = False
-
+# Not on CUDA by default until `test_apply_token_bitmask_real_vocab_on_gpu` has passed on the H200.
 dispatch.register(
     "apply_token_bitmask",
+    on_cuda_by_default=False,
     torch=reference.apply_token_bitmask,
     triton="engine.kernels.bitmask.triton:apply_token_bitmask",
 )
@@ -27,8 +24,4 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
             (llguidance's and xgrammar's layout).
         rows: [n] int64 on the logits' device, distinct.
     """
-    apply = dispatch.pick("apply_token_bitmask", logits)
-    if logits.is_cuda and dispatch.backend() == "auto" and not ON_CUDA_BY_DEFAULT:
-        apply = reference.apply_token_bitmask
-        dispatch.choose("apply_token_bitmask", "torch")
-    apply(logits, bitmask, rows)
+    dispatch.pick("apply_token_bitmask", logits)(logits, bitmask, rows)

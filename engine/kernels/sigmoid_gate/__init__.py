@@ -9,11 +9,18 @@ from engine.kernels.sigmoid_gate import reference
 dispatch.register(
     "sigmoid_gate", torch=reference.sigmoid_gate, triton="engine.kernels.sigmoid_gate.triton:sigmoid_gate"
 )
+# Not on CUDA by default until `test_sigmoid_gate_fp8_real_shapes_bf16` has passed on the H200.
 dispatch.register(
     "sigmoid_gate_fp8",
+    on_cuda_by_default=False,
     torch=reference.sigmoid_gate_fp8,
     triton="engine.kernels.sigmoid_gate.triton:sigmoid_gate_fp8",
 )
+
+
+def quantises(head_dim: int, group: int) -> bool:
+    """Whether `sigmoid_gate_fp8` takes scale groups of `group` channels: a power of two dividing D."""
+    return group > 0 and head_dim % group == 0 and group & (group - 1) == 0
 
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

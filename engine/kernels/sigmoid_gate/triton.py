@@ -13,6 +13,7 @@ import triton.language as tl
 from engine.kernels.fp8.quant import quantize_rows
 from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX, Fp8Activation
 from engine.kernels.pdl import pdl_launch, pdl_wait
+from engine.kernels.sigmoid_gate import quantises
 
 _FP8_MAX = tl.constexpr(FP8_MAX)  # globals a kernel reads must be constexprs
 _AMAX_EPS = tl.constexpr(AMAX_EPS)
@@ -83,7 +84,7 @@ def _gate(x: torch.Tensor, gate: torch.Tensor, group: int | None):
     quant = {}
     q = scale = None
     if group is not None:
-        if d % group or group & (group - 1):
+        if not quantises(d, group):
             raise ValueError(f"the scale group ({group}) must be a power of two dividing the head size ({d})")
         q = torch.empty((t, h * d), dtype=torch.float8_e4m3fn, device=x.device)
         scale = torch.empty((t, h * d // group), dtype=torch.float32, device=x.device)

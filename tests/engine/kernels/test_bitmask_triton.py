@@ -64,31 +64,3 @@ def test_apply_token_bitmask_real_vocab_on_gpu():
     reference.apply_token_bitmask(expected, bitmask, rows)
     apply_token_bitmask(logits, bitmask, rows)
     assert torch.equal(logits, expected)
-
-
-def test_the_default_on_cuda_waits_for_the_gpu_test(monkeypatch):
-    """Under ENCLAVE_KERNELS=auto a CUDA tensor takes the reference until the kernel ran on a GPU; forced
-    with ENCLAVE_KERNELS=triton, the kernel (here through the interpreter on a CPU tensor)."""
-    import engine.kernels.bitmask as op
-    from engine.env import reset_engine_env
-    from engine.kernels import dispatch
-
-    logits = torch.zeros(2, 40)
-    bitmask = torch.zeros(2, 2, dtype=torch.int32)
-    rows = torch.tensor([1])
-    monkeypatch.setenv("ENCLAVE_KERNELS", "triton")
-    reset_engine_env()
-    op.apply_token_bitmask(logits, bitmask, rows)
-    assert dispatch.usage()["apply_token_bitmask"] == "triton"
-    assert torch.isinf(logits[1]).all() and not torch.isinf(logits[0]).any()
-    monkeypatch.setenv("ENCLAVE_KERNELS", "auto")
-    reset_engine_env()
-    fake_cuda = torch.zeros(2, 40)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    called = []
-    monkeypatch.setattr(op.reference, "apply_token_bitmask", lambda *a: called.append(a))
-    op.apply_token_bitmask(fake_cuda, bitmask, rows)
-    monkeypatch.undo()
-    reset_engine_env()
-    assert bool(called) != op.ON_CUDA_BY_DEFAULT
-    assert dispatch.usage()["apply_token_bitmask"] == ("triton" if op.ON_CUDA_BY_DEFAULT else "torch")

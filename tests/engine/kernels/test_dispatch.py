@@ -445,3 +445,27 @@ def test_the_model_records_its_own_choices(monkeypatch):
         assert dispatch.usage()["deltanet_layer"] == "unfused"
         layer(rand(1, config.hidden_size), state, SeqLayout((1,), (9,), (0,)))
         assert dispatch.usage()["deltanet_layer"] == "fused"
+
+
+def test_a_kernel_not_yet_run_on_a_gpu_is_held_back_from_cuda_under_auto(monkeypatch):
+    """`register(..., on_cuda_by_default=False)`: under ENCLAVE_KERNELS=auto a CUDA tensor takes the
+    reference (recorded as a choice), ENCLAVE_KERNELS=triton still runs the kernel; an op registered
+    without the flag takes Triton on CUDA."""
+    cuda_like = torch.zeros(2)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setenv("ENCLAVE_KERNELS", "auto")
+    reset_engine_env()
+    for op in ("apply_token_bitmask", "sigmoid_gate_fp8"):  # their gpu tests have not run on the H200
+        assert dispatch.pick(op, cuda_like) is dispatch.implementation(op, "torch")
+        assert dispatch.usage()[op] == "torch"
+    monkeypatch.setattr(dispatch, "_IMPLEMENTATIONS", dict(dispatch._IMPLEMENTATIONS))  # probes undone after
+    monkeypatch.setattr(dispatch, "_HELD_BACK", set(dispatch._HELD_BACK))
+    dispatch.register("held_back_probe", on_cuda_by_default=False, torch=len, triton=abs)
+    dispatch.register("graduated_probe", torch=len, triton=abs)
+    assert dispatch.pick("held_back_probe", cuda_like) is len
+    assert dispatch.pick("graduated_probe", cuda_like) is abs
+    monkeypatch.setenv("ENCLAVE_KERNELS", "triton")
+    reset_engine_env()
+    assert dispatch.pick("held_back_probe", cuda_like) is abs
+    monkeypatch.undo()
+    reset_engine_env()
