@@ -20,6 +20,10 @@ set -u
 OUT=${OUT:?set OUT}
 : "${ENCLAVE_COMMIT:?set ENCLAVE_COMMIT to the commit under test: the device copy of .git may be stale}"
 export TOKENIZERS_PARALLELISM=false
+STEPS=${STEPS:-kernels gpu_tests batching}
+for step in $STEPS; do  # every step named is one of the case arms below, before any runs
+  grep -qE "^ +$step\)" "${BASH_SOURCE[0]}" || { echo "unknown step: $step" >&2; exit 2; }
+done
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python -c "import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__)"
@@ -27,7 +31,6 @@ export TOKENIZERS_PARALLELISM=false
 # The GPU image has no sqlalchemy: keep pytest from loading the repository-level conftest there.
 python -c "import sqlalchemy" 2>/dev/null && CUT="" || CUT="--confcutdir=tests/engine"
 run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "rc=$?" >> "$OUT/$name.txt"; tail -3 "$OUT/$name.txt"; }
-STEPS=${STEPS:-kernels gpu_tests batching}
 for step in $STEPS; do
   case $step in
     kernels) run kernels 240 python -m pytest -q -p no:cacheprovider $CUT tests/engine/kernels ;;

@@ -10,8 +10,14 @@ from xdist.scheduler import LoadGroupScheduling
 
 # The fuzz folder checks the inputs it fed in total, counted in one process (tests/fuzz/test_zz_total.py);
 # the gateway's module shares one gateway and one worker, and scans for its canaries last; the service API's
-# module shares one `enclave serve` and one worker per back-end.
-TOGETHER = ("tests/fuzz/", "tests/e2e/test_gateway.py", "tests/e2e/test_service_api.py")
+# module shares one `enclave serve` and one worker per back-end; the session script's module records every
+# step of benchmarks/h200_session.sh once, in a module fixture.
+TOGETHER = (
+    "tests/fuzz/",
+    "tests/e2e/test_gateway.py",
+    "tests/e2e/test_service_api.py",
+    "tests/engine/test_session_script.py",
+)
 
 
 class FolderGroupScheduling(LoadGroupScheduling):
