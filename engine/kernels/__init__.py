@@ -19,7 +19,7 @@ from engine.kernels.moe import experts as moe_experts
 from engine.kernels.moe import experts_fp8 as moe_experts_fp8
 from engine.kernels.moe import route as moe_route
 from engine.kernels.norm import add_rms_norm, add_rms_norm_fp8, gated_rms_norm, gated_rms_norm_fp8, rms_norm
-from engine.kernels.qk_norm_rotary import qk_norm_rotary
+from engine.kernels.qk_norm_rotary import qk_norm_rotary, qk_norm_rotary_store
 from engine.kernels.rotary import apply_rotary, rotary_cos_sin
 from engine.kernels.sampling import sample_filtered
 from engine.kernels.sigmoid_gate import sigmoid_gate, sigmoid_gate_fp8
@@ -44,6 +44,7 @@ __all__ = [
     "moe_experts_fp8",
     "moe_route",
     "qk_norm_rotary",
+    "qk_norm_rotary_store",
     "quantize_block_fp8_weight",
     "quantize_fp8_per_token_group",
     "rms_norm",

@@ -49,7 +49,12 @@ class GatedAttention(nn.Module):
         qg = qg.view(t, self.num_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:]  # [T, Hq, D] strided views, read in place
         k, v = k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
-        q, k = kernels.qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
+        norms = (self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
+        if kv.k_scale is None:  # a cache in the model's dtype: the norm kernel stores the keys and values
+            q = kernels.qk_norm_rotary_store(q, k, v, *norms, kv.k, kv.v, layout.slot_mapping(x.device))
+            k = v = None
+        else:
+            q, k = kernels.qk_norm_rotary(q, k, *norms)
         out = kernels.attention(q, k, v, kv.k, kv.v, layout, d**-0.5, kv.k_scale, kv.v_scale)  # [T, Hq, D]
         group = fp8_group(self.o_proj)
         if group is None or not quantises(d, group):
@@ -66,5 +71,9 @@ class GatedAttention(nn.Module):
         t, d = x.shape[0], self.head_dim
         _, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         k, v = k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
-        _, k = kernels.qk_norm_rotary(k, k, self.k_norm.weight, self.k_norm.weight, cos, sin, self.k_norm.eps)
+        norms = (self.k_norm.weight, self.k_norm.weight, cos, sin, self.k_norm.eps)
+        if kv.k_scale is None:
+            kernels.qk_norm_rotary_store(k, k, v, *norms, kv.k, kv.v, layout.slot_mapping(x.device))
+            return
+        _, k = kernels.qk_norm_rotary(k, k, *norms)
         kernels.store_kv(k, v, kv.k, kv.v, layout, kv.k_scale, kv.v_scale)

@@ -11,8 +11,8 @@ dispatch.register("attention", torch=reference.attention, triton="engine.kernels
 
 def attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     layout: SeqLayout,
@@ -24,7 +24,8 @@ def attention(
 
     Args:
         q: [T, Hq, D] queries (rotary already applied).
-        k, v: [T, Hkv, D] new keys and values; query head h reads kv head h // (Hq // Hkv).
+        k, v: [T, Hkv, D] new keys and values; query head h reads kv head h // (Hq // Hkv). None, both: they
+            are in the cache already (`qk_norm_rotary_store` wrote them).
         k_cache, v_cache: [num_blocks, block_size, Hkv, D] paged caches; `layout.block_tables` maps positions.
         layout: where each sequence's tokens, context length and slot are.
         scale: softmax scale, usually D ** -0.5.

@@ -9,8 +9,8 @@ from engine.kernels.layout import SeqLayout
 
 def attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     layout: SeqLayout,
@@ -21,8 +21,10 @@ def attention(
     # q [T, Hq, D]; k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. New keys/values are written
     # at each sequence's positions context .. context+n-1, then its queries attend causally over all of them.
     # An FP8 cache has scales [num_blocks, block_size, Hkv]: rows are quantised on write, dequantised on read.
+    # k and v None: the caller stored them (`qk_norm_rotary_store`).
     hkv, d = k_cache.shape[2], k_cache.shape[3]
-    fp8_kv.write(k, v, k_cache, v_cache, layout.slot_mapping(q.device), k_scale, v_scale)
+    if k is not None:
+        fp8_kv.write(k, v, k_cache, v_cache, layout.slot_mapping(q.device), k_scale, v_scale)
     k_rows, v_rows = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     scales = _rows(k_scale, hkv), _rows(v_scale, hkv)
     out = torch.empty_like(q)

@@ -433,8 +433,8 @@ def _prefill_attention_kernel(
 
 def attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     layout: SeqLayout,
@@ -448,8 +448,8 @@ def attention(
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     layout: SeqLayout,
@@ -469,7 +469,7 @@ def paged_attention(
     (tokens x query heads of a kv head) of the packed one (None: chosen by dtype).
 
     Args:
-        q: [T, Hq, D] queries; k, v: [T, Hkv, D] new keys/values.
+        q: [T, Hq, D] queries; k, v: [T, Hkv, D] new keys/values (None: already in the cache).
         k_cache, v_cache: [num_blocks, block_size, Hkv, D] contiguous paged caches, written in place.
         k_scale, v_scale: [num_blocks, block_size, Hkv] contiguous fp32 scales of an FP8 cache, else None.
         fp8_products: with an FP8 cache, run the prefill kernel's QK and PV products in e4m3 (queries and
@@ -487,11 +487,12 @@ def paged_attention(
         # Triton converts e4m3 (fp8e4nv) only on sm_89 and later.
         dispatch.fallback("attention", FP8_NEEDS_SM89, k_cache=k_cache)
         return reference.attention(q, k, v, k_cache, v_cache, layout, scale, k_scale, v_scale)
-    written = layout.slot_mapping(q.device)  # [T] flat cache row of each new token
-    if scales is None:
-        fp8_kv.write(k, v, k_cache, v_cache, written, None, None)
-    elif k.shape[0]:
-        write_fp8(k, v, k_cache, v_cache, k_scale, v_scale, written)
+    if k is not None:  # else the caller stored them (`qk_norm_rotary_store`)
+        written = layout.slot_mapping(q.device)  # [T] flat cache row of each new token
+        if scales is None:
+            fp8_kv.write(k, v, k_cache, v_cache, written, None, None)
+        elif k.shape[0]:
+            write_fp8(k, v, k_cache, v_cache, k_scale, v_scale, written)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q = q if q.stride(-1) == 1 else q.contiguous()
     if layout.short_seqs:

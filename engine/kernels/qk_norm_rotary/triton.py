@@ -5,6 +5,11 @@ heads' [BH, BD] channels and, for the first rd of them, their rotate-half partne
 normalises both with the row's fp32 rstd and their own weights, rounds them to the input dtype (where the
 reference's norm ends), and rotates them with the rotary reference's rounding: cos/sin cast to the dtype,
 each product rounded, then their sum.
+
+`qk_norm_rotary_store` writes the keys straight into a paged cache in the model's dtype, at each token's
+flat cache row, and has more programs after the keys' that copy the values there: the two index writes the
+attention op would otherwise launch before attending (non-PDL torch kernels, 20 per decode step of
+Qwen3.5-35B-A3B) are gone.
 """
 
 import torch
@@ -12,6 +17,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import dispatch
+from engine.kernels.attention import fp8_kv
 from engine.kernels.pdl import pdl_launch, pdl_wait
 from engine.kernels.qk_norm_rotary import reference
 
@@ -28,8 +34,9 @@ def _norm_rotary_heads(
     weight,  # [D]
     cos,  # [T, RD]
     sin,  # [T, RD]
-    out,  # [T, H, D], contiguous
+    out,  # [rows, H, D], contiguous
     i_t,
+    o_row,  # the output row of token i_t: i_t, or its cache row
     i_b,
     stride_xt,
     stride_xh,
@@ -70,8 +77,18 @@ def _norm_rotary_heads(
     b = (n_y.to(tl.float32) * (sign * b_sin)[None, :]).to(dt)
     rotated = (a.to(tl.float32) + b.to(tl.float32)).to(dt)
     b_out = tl.where(m_rot[None, :], rotated, n_x)
-    p_out = out + (i_t * H + o_h)[:, None] * D + o_d[None, :]
+    p_out = out + (o_row * H + o_h)[:, None] * D + o_d[None, :]
     tl.store(p_out, b_out.to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _copy_heads(x, out, i_t, o_row, i_b, stride_xt, stride_xh, H, D, BH: tl.constexpr, BD: tl.constexpr):
+    """Heads [BH, BD] of x's token i_t to row o_row of out [rows, H, D] (contiguous), unchanged."""
+    o_h = i_b * BH + tl.arange(0, BH)
+    o_d = tl.arange(0, BD)
+    m = (o_h < H)[:, None] & (o_d < D)[None, :]
+    b_x = tl.load(x + i_t * stride_xt + o_h[:, None] * stride_xh + o_d[None, :], mask=m, other=0.0)
+    tl.store(out + (o_row * H + o_h)[:, None] * D + o_d[None, :], b_x.to(out.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -83,11 +100,16 @@ def _qk_norm_rotary_kernel(
     cos,  # [T, RD] fp32
     sin,  # [T, RD] fp32
     q_out,  # [T, HQ, D], contiguous
-    k_out,  # [T, HKV, D], contiguous
+    k_out,  # [T, HKV, D], contiguous; with STORE the key cache [rows, HKV, D]
+    v,  # with STORE: [T, HKV, D] values, last dim contiguous
+    v_out,  # with STORE: the value cache [rows, HKV, D]
+    slots,  # with STORE: [T] int64 cache row of each token
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
     stride_ct,
     stride_cd,
     stride_st,
@@ -99,11 +121,16 @@ def _qk_norm_rotary_kernel(
     eps,
     BH: tl.constexpr,
     BD: tl.constexpr,
+    STORE: tl.constexpr = False,  # keys to their cache rows, and the values copied there
     PDL: tl.constexpr = False,  # launched with `pdl_launch()`: wait first
 ):
     pdl_wait(PDL)
     i_t, i_b = tl.program_id(0).to(tl.int64), tl.program_id(1)
     q_blocks = tl.cdiv(HQ, BH)
+    kv_blocks = tl.cdiv(HKV, BH)
+    o_row = i_t
+    if STORE:
+        o_row = tl.load(slots + i_t)
     if i_b < q_blocks:
         _norm_rotary_heads(
             q,
@@ -111,6 +138,7 @@ def _qk_norm_rotary_kernel(
             cos,
             sin,
             q_out,
+            i_t,
             i_t,
             i_b,
             stride_qt,
@@ -126,7 +154,7 @@ def _qk_norm_rotary_kernel(
             BH,
             BD,
         )
-    else:
+    elif i_b < q_blocks + kv_blocks:
         _norm_rotary_heads(
             k,
             k_weight,
@@ -134,6 +162,7 @@ def _qk_norm_rotary_kernel(
             sin,
             k_out,
             i_t,
+            o_row,
             i_b - q_blocks,
             stride_kt,
             stride_kh,
@@ -148,6 +177,8 @@ def _qk_norm_rotary_kernel(
             BH,
             BD,
         )
+    elif STORE:
+        _copy_heads(v, v_out, i_t, o_row, i_b - q_blocks - kv_blocks, stride_vt, stride_vh, HKV, D, BH, BD)
 
 
 def qk_norm_rotary(
@@ -160,20 +191,57 @@ def qk_norm_rotary(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # q [T, Hq, D], k [T, Hkv, D] (strided views), weights [D], cos/sin [T, rd] with rd <= D.
-    t, hq, d = q.shape
-    hkv = k.shape[1]
+    t, d = q.shape[0], q.shape[2]
     if d > MAX_DIM:
         dispatch.fallback("qk_norm_rotary", f"head dim over {MAX_DIM}", q=q)
         return reference.qk_norm_rotary(q, k, q_weight, k_weight, cos, sin, eps)
+    k_out = torch.empty((t, k.shape[1], d), dtype=k.dtype, device=k.device)
+    return _launch(q, k, q_weight, k_weight, cos, sin, eps, k_out), k_out
+
+
+def qk_norm_rotary_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    # As qk_norm_rotary, with the keys and values [T, Hkv, D] written at flat rows `slots` [T] of the paged
+    # caches [num_blocks, block_size, Hkv, D] (the model's dtype, contiguous); returns the queries.
+    d = q.shape[2]
+    hkv = k_cache.shape[2]
+    if d > MAX_DIM or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        reason = f"head dim over {MAX_DIM}" if d > MAX_DIM else "strided caches"
+        dispatch.fallback("qk_norm_rotary_store", reason, q=q, k_cache=k_cache)
+        q, k = qk_norm_rotary(q, k, q_weight, k_weight, cos, sin, eps)
+        fp8_kv.write(k, v, k_cache, v_cache, slots, None, None)
+        return q
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    rows = (k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d))
+    return _launch(q, k, q_weight, k_weight, cos, sin, eps, rows[0], (v, rows[1], slots))
+
+
+def _launch(q, k, q_weight, k_weight, cos, sin, eps, k_out, store=None) -> torch.Tensor:
+    """Run the kernel; returns the queries. `store`: (values, value cache rows, slots), k_out then the key
+    cache rows."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)
     if t == 0:
-        return q_out, k_out
+        return q_out
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     bd = triton.next_power_of_2(d)
     bh = max(1, min(triton.next_power_of_2(max(hq, hkv)), TILE // bd))
-    grid = (t, triton.cdiv(hq, bh) + triton.cdiv(hkv, bh))
+    kv_blocks = triton.cdiv(hkv, bh)
+    v, v_out, slots = store if store is not None else (k, k_out, k)  # unread without STORE
+    grid = (t, triton.cdiv(hq, bh) + kv_blocks * (2 if store is not None else 1))
     _qk_norm_rotary_kernel[grid](
         q,
         k,
@@ -183,10 +251,15 @@ def qk_norm_rotary(
         sin,
         q_out,
         k_out,
+        v,
+        v_out,
+        slots,
         q.stride(0),
         q.stride(1),
         k.stride(0),
         k.stride(1),
+        v.stride(0),
+        v.stride(1),
         cos.stride(0),
         cos.stride(1),
         sin.stride(0),
@@ -198,8 +271,9 @@ def qk_norm_rotary(
         eps,
         BH=bh,
         BD=bd,
+        STORE=store is not None,
         num_warps=4,
         enable_fp_fusion=False,  # no FMA: keep the references' rounding of each product
         **pdl_launch(),
     )
-    return q_out, k_out
+    return q_out

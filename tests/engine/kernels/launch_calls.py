@@ -150,6 +150,18 @@ def qk_norm_rotary() -> None:
         cos, sin = (empty(t, c.rope.rotary_dim, dtype=FP32) for _ in "cs")
         weights = [empty(c.head_dim, dtype=dtype) for _ in "qk"]
         kernels.qk_norm_rotary(qg[..., : c.head_dim], k, *weights, cos, sin, c.rms_norm_eps)
+        # and with the keys and values stored in a cache of the model's dtype (decode and prefill sizes)
+        for t in (1, 8, 4096):
+            qg, k, v = qkv_proj_out(t, dtype)
+            cos, sin = (empty(t, c.rope.rotary_dim, dtype=FP32) for _ in "cs")
+            cache = [
+                empty(-(-t // KV_BLOCK) + 1, KV_BLOCK, c.num_key_value_heads, c.head_dim, dtype=dtype)
+                for _ in "kv"
+            ]
+            slots = empty(t, dtype=torch.int64)
+            kernels.qk_norm_rotary_store(
+                qg[..., : c.head_dim], k, v, *weights, cos, sin, c.rms_norm_eps, *cache, slots
+            )
 
 
 def rotary() -> None:
