@@ -162,7 +162,8 @@ class Sequence:
         if logprobs is not None:
             self.logprobs.append(logprobs)
         grammar_done = self._advance_answer(token)
-        if token in self.stop_ids:
+        # The grammar's end is an EOS: a stop token even under ignore_eos (which keeps it out of stop_ids).
+        if token in self.stop_ids or (grammar_done and token in self.grammar.compiler.stop_ids):
             self._finish("stop", token)
         elif grammar_done:  # the answer is complete: this token is its last, not a stop token
             self._finish("stop", None, keep_last=True)
