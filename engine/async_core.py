@@ -5,8 +5,9 @@ A deferred step's sampled tokens stay on the device: each sequence gets a placeh
 counted so the scheduler plans around it, and the next step takes the token itself as input, device to
 device. The host reads the tokens one call later, after launching the next step, and resolves the
 placeholders (`Sequence.resolve`), running the stop checks then: a request that stopped there wastes the one
-step already launched for it, whose token is discarded. Steps whose tokens are needed at once (log-probs,
-drafts to verify or propose) run as in the synchronous core.
+step already launched for it, whose token is discarded. Log-probabilities asked for are worked out on the
+device when the step is deferred and read with its tokens. Steps whose tokens are needed at once (drafts to
+verify or propose) run as in the synchronous core.
 
 Penalties, logit bias and grammar masks depend on the tokens generated so far. A step with such requests
 launched behind a deferred one queues only its forward pass (`ModelRunner.launch` leaves its tokens None);
@@ -166,7 +167,7 @@ class AsyncEngineCore(EngineCore):
             if not got.tokens:
                 continue
             if not seq.finished and seq.num_pending:  # else it ended on an earlier token
-                seq.resolve(got.tokens[0], None)
+                seq.resolve(got.tokens[0], got.logprobs[0] if got.logprobs else None)
                 self.generated_tokens += 1
             if seq.finished and self.scheduler.finish(seq):
                 ended.append(seq)

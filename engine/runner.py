@@ -25,7 +25,14 @@ from engine.model.model import CausalLM
 from engine.mtp_graphs import MtpGraphs
 from engine.planner import CachePlan
 from engine.processors import LogitsProcessors, needs_processing
-from engine.sampler import filtered_probs, logprob_entries, sample_rows, to_device
+from engine.sampler import (
+    filtered_probs,
+    logprob_entries,
+    logprob_entry,
+    sample_rows,
+    to_device,
+    top_logprobs,
+)
 from engine.scheduler import NOTHING, Drafts, Sampled, ScheduledSeq, SchedulerOutput
 from engine.sequence import PENDING, Sequence
 from engine.spec_policy import SpeculationPolicy
@@ -76,11 +83,25 @@ class Launched:
 
 
 @dataclass(frozen=True)
+class StepLogprobs:
+    """The log-probabilities a step reports, for the rows whose requests ask for them: `top_logprobs`'
+    values [R, k], ids [R, k] and chosen values [R], on the device or their host copies."""
+
+    rows: list[int]  # rows of the step's tokens
+    counts: list[int]  # how many of the top entries each row reports
+    values: torch.Tensor
+    ids: torch.Tensor
+    chosen: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Readback:
-    """A deferred step's tokens on their way to the host: `host` is complete once `ready` has passed."""
+    """A deferred step's tokens (and log-probabilities) on their way to the host: `host` and `logprobs` are
+    complete once `ready` has passed."""
 
     host: torch.Tensor  # [rows] pinned copy of `Launched.tokens` (the tensor itself off CUDA)
     ready: torch.cuda.Event | None
+    logprobs: StepLogprobs | None = None
 
 
 class ModelRunner:
@@ -248,37 +269,66 @@ class ModelRunner:
 
     def deferrable(self, launched: Launched) -> bool:
         """Whether the step's tokens can wait on the device: not with drafts to verify or propose (adaptive
-        speculation defers its steps at k = 0), nor with log-probabilities to compute from its logits, nor,
-        speculating, when a request's next logits depend on its tokens on the host (penalties, a grammar)."""
+        speculation defers its steps at k = 0), nor, speculating, when a request's next logits depend on its
+        tokens on the host (penalties, a grammar). Log-probabilities are worked out on the device and read
+        with the tokens (`defer`)."""
         if self.policy is None and (self.k or self.drafter is not None):
             return False
         if self.policy is not None and launched.next_k != 0:  # drafts to verify or to propose
             return False
         return all(
-            item.seq.params.logprobs is None and (self.samples_late or not needs_processing(item.seq))
-            for item in launched.items
-            if item.samples
+            self.samples_late or not needs_processing(item.seq) for item in launched.items if item.samples
         )
 
     @torch.inference_mode()
     def defer(self, launched: Launched) -> Readback:
-        """Start copying the step's tokens to pinned host memory; `read` takes them once copied."""
+        """Queue the step's log-probabilities (where asked for) and start copying them and its tokens to
+        pinned host memory; `read` takes them once copied."""
         tokens = launched.tokens
+        logprobs = self._step_logprobs(launched)
         if tokens.device.type != "cuda":
-            return Readback(tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return Readback(tokens, None, logprobs)
+        host = _pinned(tokens)
+        if logprobs is not None:
+            logprobs = replace(
+                logprobs, **{f: _pinned(getattr(logprobs, f)) for f in ("values", "ids", "chosen")}
+            )
         ready = torch.cuda.Event()
         ready.record()
-        return Readback(host, ready)
+        return Readback(host, ready, logprobs)
+
+    @staticmethod
+    def _step_logprobs(launched: Launched) -> StepLogprobs | None:
+        """The log-probabilities of a deferred step's rows whose requests ask for them, queued on the device
+        from the model's logits (before penalties, bias and masks), or None."""
+        rows, counts = [], []
+        for item, row in zip(launched.items, launched.token_rows(), strict=True):
+            if row is not None and item.seq.params.logprobs is not None:
+                rows.append(row)
+                counts.append(item.seq.params.logprobs)
+        if not rows:
+            return None
+        raw = launched.raw_logits if launched.raw_logits is not None else launched.logits
+        index = torch.tensor(rows, device=raw.device)
+        top = top_logprobs(raw[index], launched.tokens[index], max(max(counts), 1))
+        return StepLogprobs(rows, counts, *top)
 
     def read(self, launched: Launched, readback: Readback) -> list[Sampled]:
-        """A deferred step's token per sequence that sampled (waiting for this step's copy only: later steps
-        keep running)."""
+        """A deferred step's token per sequence that sampled, with its log-probabilities where asked for
+        (waiting for this step's copy only: later steps keep running)."""
         if readback.ready is not None:
             readback.ready.synchronize()
         tokens = readback.host.tolist()
-        return [NOTHING if row is None else Sampled((tokens[row],)) for row in launched.token_rows()]
+        entries: dict[int, tuple[dict[int, float]]] = {}
+        lp = readback.logprobs
+        if lp is not None:
+            values, ids, chosen = lp.values.tolist(), lp.ids.tolist(), lp.chosen.tolist()
+            for j, (row, k) in enumerate(zip(lp.rows, lp.counts, strict=True)):
+                entries[row] = (logprob_entry(values[j], ids[j], chosen[j], tokens[row], k),)
+        return [
+            NOTHING if row is None else Sampled((tokens[row],), entries.get(row))
+            for row in launched.token_rows()
+        ]
 
     def _batch(
         self, items: list[ScheduledSeq], previous: Launched | None, nonblocking: bool
@@ -543,3 +593,10 @@ def _rows_by_seq(launched: Launched | None) -> dict[Sequence, int]:
         return {}
     rows = zip(launched.items, launched.token_rows(), strict=True)
     return {item.seq: row for item, row in rows if row is not None}
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of the CUDA tensor t, queued on the current stream (complete at its next event)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

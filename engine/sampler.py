@@ -106,16 +106,26 @@ def logprob_entries(
     want = [k for k in counts if k is not None]
     if not want:
         return [None] * len(counts)
+    chosen_ids = torch.tensor(tokens, device=logits.device)
+    values, ids, chosen = (t.tolist() for t in top_logprobs(logits, chosen_ids, max(max(want), 1)))
+    return [
+        None if k is None else logprob_entry(values[row], ids[row], chosen[row], tokens[row], k)
+        for row, k in enumerate(counts)
+    ]
+
+
+def top_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [N, V] and the chosen tokens [N] on the same device -> the log-softmax's k largest values
+    [N, k] fp32 and their ids [N, k], and the chosen tokens' values [N], all left on the device."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    top = torch.topk(logprobs, max(max(want), 1), dim=-1)
-    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
-    top_values, top_ids = top.values.tolist(), top.indices.tolist()
-    out: list[dict[int, float] | None] = []
-    for row, k in enumerate(counts):
-        if k is None:
-            out.append(None)
-            continue
-        entry = dict(zip(top_ids[row][:k], top_values[row][:k], strict=True))
-        entry.setdefault(tokens[row], chosen[row])
-        out.append(entry)
-    return out
+    top = torch.topk(logprobs, k, dim=-1)
+    return top.values, top.indices, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+def logprob_entry(values: list[float], ids: list[int], chosen: float, token: int, k: int) -> dict[int, float]:
+    """One row's report: its k most likely tokens' log-probabilities, plus the chosen token's."""
+    entry = dict(zip(ids[:k], values[:k], strict=True))
+    entry.setdefault(token, chosen)
+    return entry

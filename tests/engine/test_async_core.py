@@ -187,11 +187,20 @@ def test_a_deferred_step_leaves_one_placeholder_read_a_call_later(demo):
     assert c.generated_tokens == len(seqs)
 
 
-def test_logprob_requests_make_their_steps_synchronous(demo):
+def test_logprob_requests_are_deferred_and_read_with_their_tokens(demo):
+    """Log-probs are worked out on the device when a step is deferred and read with its tokens: the steps
+    defer, and each token's report equals the synchronous core's."""
     c = core(demo, async_scheduling=True)
     seqs = requests(PROMPTS, logprobs=2)
     drain(c, seqs)
-    assert c.deferred_steps == 0 and all(len(s.logprobs) == 6 for s in seqs)
+    plain = requests(PROMPTS, logprobs=2)
+    drain(core(demo, async_scheduling=False), plain)
+    assert c.deferred_steps > 0 and all(len(s.logprobs) == 6 for s in seqs)
+    for got, want in zip(seqs, plain, strict=True):
+        assert got.output_ids == want.output_ids
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert a.keys() == b.keys() and len(a) >= 2
+            assert all(abs(a[t] - b[t]) < 1e-6 for t in a)
 
 
 def test_a_failed_read_fails_the_step_launched_on_its_tokens(demo, monkeypatch):

@@ -114,8 +114,8 @@ def test_stops_read_late_end_the_request_there(demo_dir):
 
 
 def test_sampled_and_logprob_requests(demo_dir):
-    """Seeded draws are the same (the step order and generators are), and requests asking for log-probs
-    make their steps synchronous while the others in the batch still get the same tokens."""
+    """Seeded draws are the same (the step order and generators are), and requests asking for log-probs get
+    the same reports with their steps deferred."""
     prompts = prompts_for(demo_dir, count=6)
     params = [
         SamplingParams(max_tokens=12, temperature=0.8, top_k=40, top_p=0.9, seed=i, ignore_eos=True)
@@ -126,10 +126,10 @@ def test_sampled_and_logprob_requests(demo_dir):
     sync, asyn, _ = both(demo_dir, prompts, params)
     assert asyn == sync
     assert sync[2][4] is not None and len(sync[2][4]) == 4
-    # Once the log-prob requests are done the rest defer again.
+    # Every decode step defers, those with the log-prob requests included.
     with engine(demo_dir, True) as e:
         e.generate(prompts, params)
-        assert 0 < e.core.deferred_steps < e.core.steps
+        assert e.core.deferred_steps >= e.core.steps - 2
 
 
 def test_a_lone_request_outgrowing_the_cache(demo_dir):
