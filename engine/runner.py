@@ -297,8 +297,7 @@ class ModelRunner:
         ready.record()
         return Readback(host, ready, logprobs)
 
-    @staticmethod
-    def _step_logprobs(launched: Launched) -> StepLogprobs | None:
+    def _step_logprobs(self, launched: Launched) -> StepLogprobs | None:
         """The log-probabilities of a deferred step's rows whose requests ask for them, queued on the device
         from the model's logits (before penalties, bias and masks), or None."""
         rows, counts = [], []
@@ -309,7 +308,7 @@ class ModelRunner:
         if not rows:
             return None
         raw = launched.raw_logits if launched.raw_logits is not None else launched.logits
-        index = torch.tensor(rows, device=raw.device)
+        index = self._to_device(rows)  # not torch.tensor(..., device=): that would wait for the step
         top = top_logprobs(raw[index], launched.tokens[index], max(max(counts), 1))
         return StepLogprobs(rows, counts, *top)
 
