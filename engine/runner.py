@@ -300,12 +300,14 @@ class ModelRunner:
     def _step_logprobs(self, launched: Launched) -> StepLogprobs | None:
         """The log-probabilities of a deferred step's rows whose requests ask for them, queued on the device
         from the model's logits (before penalties, bias and masks), or None."""
+        if all(item.seq.params.logprobs is None for item in launched.items):
+            return None  # the usual step: nothing more built
         rows, counts = [], []
         for item, row in zip(launched.items, launched.token_rows(), strict=True):
             if row is not None and item.seq.params.logprobs is not None:
                 rows.append(row)
                 counts.append(item.seq.params.logprobs)
-        if not rows:
+        if not rows:  # the requests that ask sample nothing in this step (prefill chunks)
             return None
         raw = launched.raw_logits if launched.raw_logits is not None else launched.logits
         index = self._to_device(rows)  # not torch.tensor(..., device=): that would wait for the step

@@ -14,7 +14,7 @@ dispatch.register(
 )
 
 
-def _in_turn(q, k, v, q_weight, k_weight, cos, sin, eps, k_cache, v_cache, slots) -> torch.Tensor:
+def in_turn(q, k, v, q_weight, k_weight, cos, sin, eps, k_cache, v_cache, slots) -> torch.Tensor:
     """`qk_norm_rotary_store` as the two ops it fuses, each picked as usual: on CUDA the Triton norm, then
     the cache write the attention op would make (the path the fused kernel replaces)."""
     q, k = qk_norm_rotary(q, k, q_weight, k_weight, cos, sin, eps)
@@ -26,7 +26,7 @@ def _in_turn(q, k, v, q_weight, k_weight, cos, sin, eps, k_cache, v_cache, slots
 dispatch.register(
     "qk_norm_rotary_store",
     on_cuda_by_default=False,
-    torch=_in_turn,
+    torch=in_turn,
     triton="engine.kernels.qk_norm_rotary.triton:qk_norm_rotary_store",
 )
 

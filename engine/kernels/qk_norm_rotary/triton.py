@@ -17,9 +17,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels import dispatch
-from engine.kernels.attention import fp8_kv
 from engine.kernels.pdl import pdl_launch, pdl_wait
-from engine.kernels.qk_norm_rotary import reference
+from engine.kernels.qk_norm_rotary import in_turn, reference
 
 # Heads of more channels than this take the reference (no such model).
 MAX_DIM = 4096
@@ -219,9 +218,7 @@ def qk_norm_rotary_store(
     if d > MAX_DIM or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         reason = f"head dim over {MAX_DIM}" if d > MAX_DIM else "strided caches"
         dispatch.fallback("qk_norm_rotary_store", reason, q=q, k_cache=k_cache)
-        q, k = qk_norm_rotary(q, k, q_weight, k_weight, cos, sin, eps)
-        fp8_kv.write(k, v, k_cache, v_cache, slots, None, None)
-        return q
+        return in_turn(q, k, v, q_weight, k_weight, cos, sin, eps, k_cache, v_cache, slots)
     v = v if v.stride(-1) == 1 else v.contiguous()
     rows = (k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d))
     return _launch(q, k, q_weight, k_weight, cos, sin, eps, rows[0], (v, rows[1], slots))
