@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Iterable
@@ -417,9 +416,8 @@ class Engine:
         tokenizer = self._require_tokenizer("constrained output")
         with self._cond:
             if self._grammars is None:
-                threads = min(8, os.cpu_count() or 1)
                 eos = sorted(self.eos_token_ids)
-                self._grammars = GrammarCompiler(tokenizer, self.config.vocab_size, eos, threads)
+                self._grammars = GrammarCompiler(tokenizer, self.config.vocab_size, eos)
         return self._grammars.state(params.constraint)
 
     def _token_ids(self, index: int, prompt: Prompt, add_special_tokens: bool) -> list[int]:

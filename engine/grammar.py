@@ -15,6 +15,7 @@ not installed.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -30,8 +31,16 @@ from engine.tokenizer import Tokenizer
 
 MAX_COMPILED = 64  # distinct constraints kept compiled (a job's documents share one)
 PARALLEL_FILL_ROWS = 8  # from this many rows a step's masks are filled by llguidance's thread pool
+MAX_FILL_THREADS = 16  # the pool's size at most: the engine's thread waits on the fill (GIL released)
 # One-line JSON with OpenAI's separators and no free whitespace: a wandering model cannot loop on blanks.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def fill_threads() -> int:
+    """Threads of the mask fill's pool: every core up to MAX_FILL_THREADS. The engine's thread only waits
+    while the pool fills a step's masks, and at batch 256 the fill is as long as the forward pass it hides
+    behind (docs/PERFORMANCE.md, 2026-12-05: 8 threads left (k) at batch 256 53% slower than plain)."""
+    return max(1, min(MAX_FILL_THREADS, os.cpu_count() or 1))
 
 
 def _llguidance() -> Any:
@@ -49,13 +58,15 @@ class GrammarCompiler:
     `vocab_size`, with `stop_ids` as the grammar's end) and keeps the last MAX_COMPILED. Thread-safe:
     requests are compiled in the submitting thread, not in the engine's loop."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_ids: list[int], threads: int = 8) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, stop_ids: list[int], threads: int | None = None
+    ) -> None:
         if not stop_ids:
             raise RequestError("constrained output needs the model's end-of-sequence token (eos_token_id)")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
-        self.threads = threads
+        self.threads = threads or fill_threads()
         self._lock = threading.Lock()
         self._vocabulary: Any = None
         self._executor: Any = None
