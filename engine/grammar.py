@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,23 @@ def _llguidance() -> Any:
     return llguidance
 
 
+@dataclass
+class FillStats:
+    """What the mask fills of one compiler took on the host: the bench's (k) reports it beside the step
+    time, so a constrained step slower than its forward pass shows whether the fill is why."""
+
+    calls: int = 0
+    rows: int = 0
+    seconds: float = 0.0
+    max_seconds: float = 0.0
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.calls += 1
+        self.rows += rows
+        self.seconds += seconds
+        self.max_seconds = max(self.max_seconds, seconds)
+
+
 class GrammarCompiler:
     """Compiles constraints for one vocabulary (built on first use from the tokenizer, padded to the model's
     `vocab_size`, with `stop_ids` as the grammar's end) and keeps the last MAX_COMPILED. Thread-safe:
@@ -71,6 +89,7 @@ class GrammarCompiler:
         self._vocabulary: Any = None
         self._executor: Any = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self.fill_stats = FillStats()
 
     def state(self, constraint: Constraint) -> GrammarState:
         """A fresh matcher for `constraint`; `RequestError` (one line) when it cannot be compiled."""
@@ -81,14 +100,16 @@ class GrammarCompiler:
         PARALLEL_FILL_ROWS rows on, in llguidance's thread pool (the GIL released)."""
         llg = _llguidance()
         width = bitmask.shape[1] * 4
+        start = time.perf_counter()
         if len(states) >= PARALLEL_FILL_ROWS:
             with self._lock:
                 self._executor = self._executor or llg.LLExecutor(self.threads)
             pairs = [(state.matcher, row) for state, row in zip(states, rows, strict=True)]
             self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), width, bitmask.shape[0])
-            return
-        for state, row in zip(states, rows, strict=True):
-            state.matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), width)
+        else:
+            for state, row in zip(states, rows, strict=True):
+                state.matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), width)
+        self.fill_stats.add(len(states), time.perf_counter() - start)
 
     def _compile(self, constraint: Constraint) -> Any:
         key = constraint.key

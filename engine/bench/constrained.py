@@ -25,6 +25,7 @@ from typing import Any
 from engine.bench.harness import Bench, decode_point
 from engine.bench.measure import guarded
 from engine.constraints import Constraint
+from engine.grammar import FillStats, GrammarCompiler
 
 # '!'..'~' (JSON's punctuation, digits and letters) and the space, as the byte-level alphabet writes it
 PRINTABLE = [chr(c) for c in range(0x21, 0x7F)] + ["\u0120"]
@@ -105,23 +106,39 @@ def synthetic_tokenizer(vocab_size: int):
 
 def constrained(b: Bench) -> list[dict[str, Any]]:
     """(k) decode steps with and without the schema, at batch 1 and (b)'s sizes."""
-    from engine.grammar import GrammarCompiler  # needs llguidance: its absence fails this workload alone
-
     s = b.sizes
     steps = min(s.batch_steps, MIN_NOTES)
     state: dict[str, Any] = {}
 
-    def grammar():
+    def compiler() -> GrammarCompiler:
         if "compiler" not in state:
             tokenizer = synthetic_tokenizer(b.config.vocab_size)
             state["compiler"] = GrammarCompiler(tokenizer, b.config.vocab_size, list(b.config.eos_token_ids))
-        return state["compiler"].state(Constraint.json_schema(SCHEMA))
+        return state["compiler"]
+
+    def grammar():
+        return compiler().state(Constraint.json_schema(SCHEMA))
 
     def measure(batch: int) -> dict[str, Any]:
         plain = decode_point(b, batch, s.batch_prompt, steps)
+        fills = FillStats()  # the host's mask fills over the held run
+        compiler().fill_stats = fills
         held = decode_point(b, batch, s.batch_prompt, steps, grammar=grammar)
         point = {"batch": batch, "plain": plain, "constrained": held}
+        if fills.calls:  # prefill steps' fills included
+            point["fill"] = {
+                "calls": fills.calls,
+                "mean_rows": fills.rows / fills.calls,
+                "mean_ms": 1e3 * fills.seconds / fills.calls,
+                "max_ms": 1e3 * fills.max_seconds,
+                "threads": compiler().threads,
+            }
         if plain.get("ms_per_step") and held.get("ms_per_step"):
+            fill = point.get("fill")
+            fill_text = ""
+            if fill:
+                fill_text = f"; mask fill {fill['mean_ms']:.2f} ms mean, {fill['max_ms']:.1f} max"
+                fill_text += f" on {fill['threads']} threads"
             overhead = held["ms_per_step"] / plain["ms_per_step"] - 1
             point |= {
                 "ms_per_step": held["ms_per_step"],
@@ -130,7 +147,8 @@ def constrained(b: Bench) -> list[dict[str, Any]]:
                 "overhead": overhead,
                 "note": (
                     f"{held['ms_per_step']:.1f} ms/step against {plain['ms_per_step']:.1f} plain: "
-                    f"{100 * overhead:+.1f}% (synthetic {b.config.vocab_size:,}-token byte-level vocabulary)"
+                    f"{100 * overhead:+.1f}%{fill_text}"
+                    f" (synthetic {b.config.vocab_size:,}-token byte-level vocabulary)"
                 ),
             }
         return point

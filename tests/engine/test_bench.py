@@ -397,6 +397,10 @@ def test_constrained_workload_runs_plain_and_held_to_the_schema(tmp_path):
         assert p["plain"]["decode_steps"] > 0 and p["constrained"]["decode_steps"] > 0
         assert p["constrained"]["batch"] == p["plain"]["batch"] == p["batch"]  # none finished early
         assert p["overhead"] == p["ms_per_step"] / p["plain_ms_per_step"] - 1
+        # the host's mask fills of the held run: one per step that samples, each over that step's rows
+        fill = p["fill"]
+        assert fill["calls"] >= p["constrained"]["decode_steps"] and 1 <= fill["mean_rows"] <= p["batch"]
+        assert 0 < fill["mean_ms"] <= fill["max_ms"] and fill["threads"] >= 1
 
 
 def test_long_prompts_run_past_the_presets_window_with_yarn(monkeypatch, tmp_path, capsys):
