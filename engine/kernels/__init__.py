@@ -18,13 +18,23 @@ from engine.kernels.linear import linear
 from engine.kernels.moe import experts as moe_experts
 from engine.kernels.moe import experts_fp8 as moe_experts_fp8
 from engine.kernels.moe import route as moe_route
-from engine.kernels.norm import add_rms_norm, add_rms_norm_fp8, gated_rms_norm, gated_rms_norm_fp8, rms_norm
+from engine.kernels.moe.pending import PendingCombine
+from engine.kernels.norm import (
+    add_rms_norm,
+    add_rms_norm_fp8,
+    combine_add_rms_norm,
+    combine_add_rms_norm_fp8,
+    gated_rms_norm,
+    gated_rms_norm_fp8,
+    rms_norm,
+)
 from engine.kernels.qk_norm_rotary import qk_norm_rotary, qk_norm_rotary_store
 from engine.kernels.rotary import apply_rotary, rotary_cos_sin
 from engine.kernels.sampling import sample_filtered
 from engine.kernels.sigmoid_gate import sigmoid_gate, sigmoid_gate_fp8
 
 __all__ = [
+    "PendingCombine",
     "SeqLayout",
     "add_rms_norm",
     "add_rms_norm_fp8",
@@ -32,6 +42,8 @@ __all__ = [
     "apply_token_bitmask",
     "attention",
     "causal_conv1d",
+    "combine_add_rms_norm",
+    "combine_add_rms_norm_fp8",
     "deltanet_gate",
     "deltanet_step",
     "dequantize_block_fp8",

@@ -5,11 +5,12 @@ from torch import nn
 
 from engine.cache import LinearState, PagedKV
 from engine.config import ModelConfig
-from engine.kernels import SeqLayout
+from engine.kernels import PendingCombine, SeqLayout
 from engine.kernels.fp8.reference import Fp8Activation
+from engine.kernels.moe.pending import as_tensor
 from engine.model.attention import GatedAttention
 from engine.model.deltanet import GatedDeltaNet
-from engine.model.moe import MLP, SparseMoe
+from engine.model.moe import MLP, SparseMoe, hooked
 from engine.model.norm import RMSNorm
 
 
@@ -17,7 +18,9 @@ class DecoderLayer(nn.Module):
     """`residual += mixer(norm(residual)); residual += mlp(norm(residual))`, with each residual add fused
     into the norm that reads it: the layer returns its MLP output and the residual stream before that
     output is added, and the next layer's input norm (or the caller) does the add. Where the mixer's input
-    projection or the MLP's experts are FP8, the norm also quantises its output for them (`add_fp8`)."""
+    projection or the MLP's experts are FP8, the norm also quantises its output for them (`add_fp8`). An MoE
+    layer's output may be its experts' deferred combine (`PendingCombine`), which that norm sums in its own
+    kernel; a caller that needs the tensor takes `as_tensor(output)`."""
 
     def __init__(self, config: ModelConfig, layer_type: str, moe: bool) -> None:
         super().__init__()
@@ -32,18 +35,21 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | PendingCombine,
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         state: LinearState | PagedKV,
         layout: SeqLayout,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | PendingCombine, torch.Tensor]:
         """x [T, H]: the previous layer's MLP output, with `residual` the stream it adds to (None: x is the
-        stream itself, as for the first layer). Returns (this layer's MLP output, the stream before it)."""
+        stream itself, as for the first layer). Returns (this layer's MLP output, the stream before it); the
+        output is a `PendingCombine` where the MoE's Triton experts ran, unless this layer has forward hooks
+        (they see plain tensors)."""
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
         hq = None
         if residual is None:
+            x = as_tensor(x)
             h, residual = self.input_layernorm(x), x
         else:
             h, residual, hq = _add_norm(self.input_layernorm, x, residual, _input_group(mixer))
@@ -53,7 +59,9 @@ class DecoderLayer(nn.Module):
         else:
             h = self.self_attn(h, cos, sin, state, layout, *extra)
         h, residual, hq = _add_norm(self.post_attention_layernorm, h, residual, _input_group(self.mlp))
-        return (self.mlp(h) if hq is None else self.mlp(h, hq)), residual
+        extra = () if hq is None else (hq,)
+        defer = {"defer": True} if isinstance(self.mlp, SparseMoe) and not hooked(self) else {}
+        return self.mlp(h, *extra, **defer), residual
 
 
 def _input_group(module: nn.Module) -> int | None:
@@ -64,9 +72,10 @@ def _input_group(module: nn.Module) -> int | None:
 
 
 def _add_norm(
-    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, group: int | None
+    norm: RMSNorm, x: torch.Tensor | PendingCombine, residual: torch.Tensor, group: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, Fp8Activation | None]:
-    """(norm(x + residual), x + residual, the normed rows quantised for FP8 consumers of `group`, or None)."""
+    """(norm(x + residual), x + residual, the normed rows quantised for FP8 consumers of `group`, or None);
+    x may be a deferred combine, summed in the norm's kernel."""
     if group is None:
         return (*norm.add(x, residual), None)
     return norm.add_fp8(x, residual, group)

@@ -13,6 +13,7 @@ from engine import kernels
 from engine.cache import ModelCache
 from engine.config import ModelConfig
 from engine.kernels import SeqLayout
+from engine.kernels.moe.pending import as_tensor
 from engine.model.decoder import DecoderLayer
 from engine.model.deltanet import GatedDeltaNet
 from engine.model.fp8_linear import Fp8DraftHead
@@ -79,7 +80,9 @@ class CausalLM(nn.Module):
         x, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, cos, sin, cache.layers[i], layout)
-        return x + residual  # the last layer's MLP output joins the stream here (layers fuse the others)
+        # The last layer's MLP output joins the stream here (layers fuse the others into their norms); its
+        # deferred combine, if any, is launched first.
+        return as_tensor(x) + residual
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.norm(hidden)

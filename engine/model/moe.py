@@ -7,7 +7,7 @@ from torch import nn
 
 from engine import kernels
 from engine.config import ModelConfig
-from engine.kernels import dispatch
+from engine.kernels import PendingCombine, dispatch
 from engine.kernels.fp8.reference import Fp8Activation
 from engine.kernels.swiglu import swiglu
 from engine.model.linear import fp8_group, project
@@ -30,7 +30,7 @@ class MLP(nn.Module):
         return self.down_proj(swiglu(project(self.gate_up_proj, x, xq)))
 
 
-def _hooked(*modules: nn.Module) -> bool:
+def hooked(*modules: nn.Module) -> bool:
     """Whether any of `modules` carries forward hooks (engine.bench's expert load, tests): those run, and may
     change what it computes, only when the module itself is called, so such a module is not fused."""
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
@@ -44,7 +44,7 @@ class SparseMoe(nn.Module):
     `quantization="fp8"` the shared expert is FP8 (`Fp8Linear`), and `use_fp8_experts_` turns the stacked
     experts into e4m3 buffers with block scales, run by the W8A8 `moe_experts_fp8`; for serving,
     `stack_fp8_shared_` appends the FP8 shared expert to them as expert E, so FP8 runs the same three kernels
-    as bf16. Modules with forward hooks run as themselves, unfused (see `_hooked`).
+    as bf16. Modules with forward hooks run as themselves, unfused (see `hooked`).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -134,22 +134,31 @@ class SparseMoe(nn.Module):
         shared_out: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
         xq: Fp8Activation | None = None,
-    ) -> torch.Tensor:
+        *,
+        defer: bool = False,
+    ) -> torch.Tensor | PendingCombine:
         w = (self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv)
-        return kernels.moe_experts_fp8(x, *w, weights, ids, self.fp8_block, shared_out, shared_gate, xq)
+        block = self.fp8_block
+        return kernels.moe_experts_fp8(x, *w, weights, ids, block, shared_out, shared_gate, xq, defer=defer)
 
     def fp8_input_group(self) -> int | None:
         """The activation group of FP8 experts (their input may come quantised), else None."""
         return self.fp8_block[1] if self.fp8_block is not None else None
 
-    def forward(self, x: torch.Tensor, xq: Fp8Activation | None = None) -> torch.Tensor:
-        """x [T, H] -> [T, H]; `xq`: x quantised for FP8 experts by the norm that produced it."""
+    def forward(
+        self, x: torch.Tensor, xq: Fp8Activation | None = None, *, defer: bool = False
+    ) -> torch.Tensor | PendingCombine:
+        """x [T, H] -> [T, H]; `xq`: x quantised for FP8 experts by the norm that produced it. With `defer`,
+        the Triton experts' output before their combine (`PendingCombine`) where they run, for the residual
+        add + norm after this block to sum in its kernel; never while this module has forward hooks (they
+        would see it)."""
+        defer = defer and not hooked(self)
         if self.shared_expert is None:
             weights, ids = kernels.moe_route(self.gate(x), self.top_k, self.renormalize)
             if self.fp8_block is not None:
-                return self._fp8_experts(x, weights, ids, xq=xq)
-            return kernels.moe_experts(x, self.w13, self.w2, weights, ids)
-        if _hooked(self.gate, self.shared_expert_gate):
+                return self._fp8_experts(x, weights, ids, xq=xq, defer=defer)
+            return kernels.moe_experts(x, self.w13, self.w2, weights, ids, defer=defer)
+        if hooked(self.gate, self.shared_expert_gate):
             logits = torch.cat([self.gate(x), self.shared_expert_gate(x)], dim=-1)
         else:
             # [T, E + 1]: router, then shared gate (a view of the aligned [T, E + 1 + pad] product)
@@ -158,19 +167,23 @@ class SparseMoe(nn.Module):
         shared = self.shared_expert
         gate_up, down = shared.gate_up_proj, shared.down_proj
         plain = isinstance(gate_up, nn.Linear) and isinstance(down, nn.Linear)
-        if plain and self.fp8_block is None and not _hooked(shared, gate_up, down):
+        if plain and self.fp8_block is None and not hooked(shared, gate_up, down):
             dispatch.choose("moe_shared_expert", "fused")  # expert E of the experts' kernels
-            return kernels.moe_experts(x, self.w13, self.w2, weights, ids, gate_up.weight, down.weight)
-        if self._stacked is not None and not _hooked(shared, gate_up, down):
+            shared_w = (gate_up.weight, down.weight)
+            return kernels.moe_experts(x, self.w13, self.w2, weights, ids, *shared_w, defer=defer)
+        if self._stacked is not None and not hooked(shared, gate_up, down):
             dispatch.choose("moe_shared_expert", "fused")
-            return kernels.moe_experts_fp8(x, *self._stacked, weights, ids, self.fp8_block, xq=xq)
+            return kernels.moe_experts_fp8(
+                x, *self._stacked, weights, ids, self.fp8_block, xq=xq, defer=defer
+            )
         k = self.top_k  # an FP8 shared expert, or FP8 experts: on its own, added with its slot's weight
         dispatch.choose("moe_shared_expert", "separate")
         shared = self.shared_expert(x, xq) if self.shared_expert.fp8_input_group() else self.shared_expert(x)
         if self.fp8_block is not None:
-            return self._fp8_experts(x, weights[:, :k], ids[:, :k], shared, weights[:, k], xq)
+            return self._fp8_experts(x, weights[:, :k], ids[:, :k], shared, weights[:, k], xq, defer=defer)
+        routed = (weights[:, :k], ids[:, :k])
         return kernels.moe_experts(
-            x, self.w13, self.w2, weights[:, :k], ids[:, :k], shared_out=shared, shared_gate=weights[:, k]
+            x, self.w13, self.w2, *routed, shared_out=shared, shared_gate=weights[:, k], defer=defer
         )
 
     def router_weight(self) -> torch.Tensor:

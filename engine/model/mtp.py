@@ -37,7 +37,8 @@ class MTPHead(nn.Module):
         layout: SeqLayout,
         step: int = 0,
     ) -> torch.Tensor:
-        """next_embeds, hidden [T, H] -> [T, H] normed hidden state for the shared lm_head."""
+        """next_embeds, hidden [T, H] -> [T, H] normed hidden state for the shared lm_head (the layer's MoE
+        output may be a deferred combine: the final norm sums it in its own kernel)."""
         x, residual = self.layers[step % len(self.layers)](
             self._joined(next_embeds, hidden), None, cos, sin, kv, layout
         )

@@ -1,12 +1,14 @@
 """Mixture-of-experts ops: top-k softmax routing (with the shared expert's gate as one more slot), the
-experts' SwiGLU summed over each token's slots (model-dtype weights, or block-FP8 weights as W8A8), and the
-expert-sorted pair order the grouped GEMMs use."""
+experts' SwiGLU summed over each token's slots (model-dtype weights, or block-FP8 weights as W8A8), the
+expert-sorted pair order the grouped GEMMs use, and the experts' last sum deferred to the op after them
+(`PendingCombine`)."""
 
 import torch
 
 from engine.kernels import dispatch
 from engine.kernels.fp8.reference import Fp8Activation
 from engine.kernels.moe import reference
+from engine.kernels.moe.pending import PendingCombine, deferred
 
 dispatch.register("moe_route", torch=reference.route, triton="engine.kernels.moe.triton:route")
 dispatch.register("moe_experts", torch=reference.experts, triton="engine.kernels.moe.triton:experts")
@@ -15,6 +17,10 @@ dispatch.register(
     "moe_align_block_size",
     torch=reference.align_block_size,
     triton="engine.kernels.moe.align:align_block_size",
+)
+# `PendingCombine.tensor()`: a deferred combine launched after all.
+dispatch.register(
+    "moe_combine", torch="engine.kernels.moe.pending:reference", triton="engine.kernels.moe.combine:launch"
 )
 
 
@@ -39,7 +45,9 @@ def experts(
     shared_w2: torch.Tensor | None = None,
     shared_out: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
-) -> torch.Tensor:
+    *,
+    defer: bool = False,
+) -> torch.Tensor | PendingCombine:
     """Sum over each token's slots of weight * down(silu(gate(x)) * up(x)).
 
     Args:
@@ -50,11 +58,15 @@ def experts(
         shared_w13, shared_w2: [2Is, H] and [H, Is], the shared expert's projections (for id E).
         shared_out, shared_gate: [T, H] and [T], a shared expert run elsewhere (an FP8 one) and its weight,
             added as shared_gate * shared_out.
+        defer: a Triton path returns its last launch's inputs (`PendingCombine`) instead of launching it,
+            for the residual add + norm that reads the output to sum them in its own kernel; the reference
+            (and any fallback to it) returns the tensor.
     Returns:
-        [T, H] in x's dtype.
+        [T, H] in x's dtype, or with `defer` possibly a `PendingCombine` of it.
     """
     shared = (shared_w13, shared_w2, shared_out, shared_gate)
-    return dispatch.pick("moe_experts", x)(x, w13, w2, weights, ids, *shared)
+    with deferred(defer):
+        return dispatch.pick("moe_experts", x)(x, w13, w2, weights, ids, *shared)
 
 
 def experts_fp8(
@@ -69,7 +81,9 @@ def experts_fp8(
     shared_out: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
     xq: Fp8Activation | None = None,
-) -> torch.Tensor:
+    *,
+    defer: bool = False,
+) -> torch.Tensor | PendingCombine:
     """`experts` with block-FP8 expert weights, as W8A8 (DeepSeek-V3 / vLLM block FP8): x, and the SwiGLU
     output act (rounded to x's dtype), are quantised to e4m3 per token and per `block[1]` channels, and each
     K block's e4m3 product is scaled by the token's and the weight block's scales and summed in fp32.
@@ -86,11 +100,13 @@ def experts_fp8(
         shared_out, shared_gate: [T, H] and [T], the shared expert run elsewhere (FP8 `Fp8Linear`s) and its
             weight, added as shared_gate * shared_out.
         xq: x quantised per token and bk channels by the op that produced it (ignored if its group differs).
+        defer: as `experts`.
     Returns:
-        [T, H] in x's dtype.
+        [T, H] in x's dtype, or with `defer` possibly a `PendingCombine` of it.
     """
     args = (x, w13, w13_scale, w2, w2_scale, weights, ids, block, shared_out, shared_gate, xq)
-    return dispatch.pick("moe_experts_fp8", x)(*args)
+    with deferred(defer):
+        return dispatch.pick("moe_experts_fp8", x)(*args)
 
 
 def align_block_size(

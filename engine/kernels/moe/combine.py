@@ -5,7 +5,9 @@ The grouped GEMMs (`moe.triton`, `moe.fp8`) and the few-token GEMVs (`moe.gemv`)
 row per (token, slot) pair, and split K parts in fp32; `combine` adds each token's rows in slot order and
 fp32 (plus, for an FP8 shared expert run outside, shared_gate * shared_out) and rounds once. The sum order is
 fixed, so results are equal run to run. Here rather than in one of those modules, so that none of them
-imports another for it.
+imports another for it. Inside `pending.deferred()` (`moe.experts(..., defer=True)`) `combine` launches
+nothing and returns its inputs, for the residual add + norm after the MoE block to sum them in its own kernel
+(`norm.combine_add_rms_norm`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.moe.pending import PendingCombine, deferring
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
 
@@ -80,13 +83,22 @@ def combine(
     dtype: torch.dtype,
     shared_out: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | PendingCombine:
     """out [T, H] in `dtype` = each token's sum over its slots and the K splits of part [P, T*S, H], in
-    slot order and fp32 (+ shared_gate [T] * shared_out [T, H]): the last launch of every experts path."""
+    slot order and fp32 (+ shared_gate [T] * shared_out [T, H]): the last launch of every experts path.
+    Inside `pending.deferred()`, these inputs as a `PendingCombine` instead, with nothing launched."""
+    pending = PendingCombine(part, t, slots, dtype, shared_out, shared_gate)
+    return pending if deferring() else launch(pending)
+
+
+def launch(pending: PendingCombine) -> torch.Tensor:
+    """The combine kernel over `pending`'s inputs: [T, H] in its dtype (`moe_combine`'s Triton side)."""
+    part, t, slots = pending.part, pending.tokens, pending.slots
     parts, _, hidden = part.shape
-    out = torch.empty(t, hidden, dtype=dtype, device=part.device)
-    has_extra = shared_out is not None
-    extra, gate = (shared_out, shared_gate) if has_extra else (out, out[:, 0])  # any pointers do
+    out = torch.empty(t, hidden, dtype=pending.dtype, device=part.device)
+    has_extra = pending.shared_out is not None
+    shared = (pending.shared_out, pending.shared_gate)
+    extra, gate = shared if has_extra else (out, out[:, 0])  # any pointers do
     block_h = min(512, triton.next_power_of_2(hidden))
     _combine_kernel[(t, triton.cdiv(hidden, block_h))](
         part, extra, gate, out, hidden, part.stride(0), part.stride(1), part.stride(2),

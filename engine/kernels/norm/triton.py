@@ -24,7 +24,7 @@ from engine.kernels.pdl import pdl_launch, pdl_wait
 
 # Rows of more channels than this would not fit one program's registers; they take the reference.
 MAX_DIM = 16384
-_WIDE = f"rows of more than {MAX_DIM} channels do not fit one program"
+WIDE = f"rows of more than {MAX_DIM} channels do not fit one program"
 # Elements of one program's [BR, BD] tile.
 TILE = 4096
 
@@ -104,6 +104,14 @@ def _rms_norm_kernel(
         tl.store(p_s, tl.reshape(scale, (BR, BD // GW)), mask=m_r[:, None] & (o_g < NG)[None, :])
 
 
+def tiles(rows: int, d: int) -> tuple[int, int, int]:
+    """(BR rows, BD channels, warps) of a norm program over `rows` rows of `d` channels. The fused combine
+    + norm (`norm.combine_triton`) takes the same, so its sums of squares reduce as this kernel's do."""
+    bd = triton.next_power_of_2(d)
+    br = max(1, min(TILE // bd, triton.next_power_of_2(rows)))
+    return br, bd, 4 if br * bd <= 4096 else 8
+
+
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
     """[..., D] as [A, B, D] with a contiguous last dim, a view where the strides allow."""
     if t.stride(-1) != 1:
@@ -130,9 +138,8 @@ def _launch(x, weight, eps, zero_centered, gate=None, rounded=False, residual=No
     x3 = _as_rows(x)
     g3 = _as_rows(gate) if gate is not None else x3
     r3 = _as_rows(residual) if residual is not None else x3
-    bd = triton.next_power_of_2(d)
     rows = x3.shape[0] * x3.shape[1]
-    br = max(1, min(TILE // bd, triton.next_power_of_2(rows)))
+    br, bd, warps = tiles(rows, d)
     _rms_norm_kernel[(triton.cdiv(rows, br),)](
         x3,
         weight,
@@ -161,7 +168,7 @@ def _launch(x, weight, eps, zero_centered, gate=None, rounded=False, residual=No
         HAS_RESIDUAL=residual is not None,
         QUANT=xq is not None,
         GW=min(group, bd) if group is not None else 128,
-        num_warps=4 if br * bd <= 4096 else 8,
+        num_warps=warps,
         **pdl_launch(),
     )
     return out, residual_out, xq
@@ -170,13 +177,14 @@ def _launch(x, weight, eps, zero_centered, gate=None, rounded=False, residual=No
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = True) -> torch.Tensor:
     # x [..., D], weight [D]; fp32 math, one cast of the product to x's dtype.
     if x.shape[-1] > MAX_DIM:
-        dispatch.fallback("rms_norm", _WIDE, x=x)
+        dispatch.fallback("rms_norm", WIDE, x=x)
         return reference.rms_norm(x, weight, eps, zero_centered)
     return _launch(x, weight, eps, zero_centered)[0]
 
 
-def _quantizable(group: int) -> bool:
-    # The tile's groups are reshapes of [BR, BD]: a power-of-two group (real checkpoints: 128).
+def quantizable(group: int) -> bool:
+    """Whether the kernel quantises in groups of `group` channels: the tile's groups are reshapes of
+    [BR, BD], so a power of two (real checkpoints: 128)."""
     return group >= 1 and not group & (group - 1)
 
 
@@ -185,7 +193,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # x, residual [..., D] of one dtype, weight [D] -> (rms_norm(x + residual), x + residual).
     if x.shape[-1] > MAX_DIM or residual.shape != x.shape or residual.dtype != x.dtype:  # not a model case
-        reason = _WIDE if x.shape[-1] > MAX_DIM else "residual's shape or dtype differs from x's"
+        reason = WIDE if x.shape[-1] > MAX_DIM else "residual's shape or dtype differs from x's"
         dispatch.fallback("add_rms_norm", reason, x=x, residual=residual)
         return reference.add_rms_norm(x, residual, weight, eps)
     return _launch(x, weight, eps, zero_centered=True, residual=residual)[:2]
@@ -196,11 +204,11 @@ def add_rms_norm_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor, Fp8Activation]:
     # `add_rms_norm`, and its normed output quantised per token and `group` channels, in one kernel.
     wide, same = x.shape[-1] > MAX_DIM, residual.shape == x.shape and residual.dtype == x.dtype
-    if wide or not same or not _quantizable(group):
+    if wide or not same or not quantizable(group):
         reason = dispatch.first_failed(
-            (not wide, _WIDE),
+            (not wide, WIDE),
             (same, "residual's shape or dtype differs from x's"),
-            (_quantizable(group), "the FP8 group is not a power of two"),
+            (quantizable(group), "the FP8 group is not a power of two"),
         )
         dispatch.fallback("add_rms_norm_fp8", reason, x=x, residual=residual)
         return reference.add_rms_norm_fp8(x, residual, weight, eps, group)
@@ -211,7 +219,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     # x, gate [..., D], weight [D]. The reference's `weight * normed.to(x.dtype)` is rounded to x's dtype
     # only when the weight has that dtype too (torch promotes a mixed product to fp32).
     if x.shape[-1] > MAX_DIM or gate.shape != x.shape:  # broadcast gates: not a model case
-        reason = _WIDE if x.shape[-1] > MAX_DIM else "gate's shape differs from x's (broadcast)"
+        reason = WIDE if x.shape[-1] > MAX_DIM else "gate's shape differs from x's (broadcast)"
         dispatch.fallback("gated_rms_norm", reason, x=x, gate=gate)
         return reference.gated_rms_norm(x, gate, weight, eps)
     rounded = weight.dtype == x.dtype and x.dtype != torch.float32
@@ -223,11 +231,11 @@ def gated_rms_norm_fp8(
 ) -> tuple[torch.Tensor, Fp8Activation]:
     # `gated_rms_norm`, and its output quantised per token and `group` channels, in one kernel.
     wide, same = x.shape[-1] > MAX_DIM, gate.shape == x.shape
-    if wide or not same or not _quantizable(group):
+    if wide or not same or not quantizable(group):
         reason = dispatch.first_failed(
-            (not wide, _WIDE),
+            (not wide, WIDE),
             (same, "gate's shape differs from x's (broadcast)"),
-            (_quantizable(group), "the FP8 group is not a power of two"),
+            (quantizable(group), "the FP8 group is not a power of two"),
         )
         dispatch.fallback("gated_rms_norm_fp8", reason, x=x, gate=gate)
         return reference.gated_rms_norm_fp8(x, gate, weight, eps, group)

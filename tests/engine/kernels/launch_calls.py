@@ -15,6 +15,7 @@ import torch
 
 from engine import kernels
 from engine.bench.settings import BLOCK_SIZE as KV_BLOCK
+from engine.kernels import PendingCombine
 from engine.kernels.layout import SHORT_QUERY, SeqLayout
 
 BF16, FP32, FP8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
@@ -310,6 +311,24 @@ def norm() -> None:
     kernels.gated_rms_norm_fp8(empty(64, hv, dv), z, empty(dv), eps, dv)
 
 
+def combine_norm() -> None:
+    """The MoE block's combine summed inside the add + norm after it: the GEMV's fp32 part (decode, verify),
+    fp32 K splits, the grouped GEMMs' unsplit bf16 part (prefill); quantising for FP8 consumers too."""
+    c = qwen()
+    h, eps, k = c.hidden_size, c.rms_norm_eps, c.num_experts_per_tok
+    cases = ((1, 1, FP32), (8, 1, FP32), (64, 2, FP32), (512, 1, BF16), (4096, 1, BF16))
+    for t, parts, part_dtype in cases:
+        pending = PendingCombine(empty(parts, t * (k + 1), h, dtype=part_dtype), t, k + 1, BF16)
+        kernels.combine_add_rms_norm(pending, empty(t, h), empty(h), eps)
+        kernels.combine_add_rms_norm_fp8(pending, empty(t, h), empty(h), eps, 128)
+    # An FP8 shared expert run on its own: its output, weighted by its slot's column of the routing weights.
+    shared = (empty(8, h), empty(8, k + 1, dtype=FP32)[:, k])
+    pending = PendingCombine(empty(1, 8 * k, h, dtype=FP32), 8, k, BF16, *shared)
+    kernels.combine_add_rms_norm_fp8(pending, empty(8, h), empty(h), eps, 128)
+    pending = PendingCombine(empty(1, 64 * (k + 1), h, dtype=FP32), 64, k + 1, FP32)  # an fp32 model
+    kernels.combine_add_rms_norm(pending, empty(64, h, dtype=FP32), empty(h, dtype=FP32), eps)
+
+
 def swiglu() -> None:
     from engine.kernels.swiglu import swiglu
 
@@ -345,4 +364,4 @@ CALLS = [
     deltanet_step,
     gated_delta,
 ]
-CALLS += [norm, swiglu, sampling, token_bitmask]
+CALLS += [norm, combine_norm, swiglu, sampling, token_bitmask]
