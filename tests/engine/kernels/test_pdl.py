@@ -124,4 +124,5 @@ def test_the_decode_chain_is_covered():
         "moe/gemv:_down_kernel",
         "moe/triton:_route_kernel",
         "moe/combine:_combine_kernel",
+        "norm/combine_triton:_combine_add_rms_norm_kernel",
     } <= covered
