@@ -15,7 +15,6 @@ not installed.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -31,17 +30,14 @@ from engine.sampler import to_device
 from engine.tokenizer import Tokenizer
 
 MAX_COMPILED = 64  # distinct constraints kept compiled (a job's documents share one)
-PARALLEL_FILL_ROWS = 8  # from this many rows a step's masks are filled by llguidance's thread pool
-MAX_FILL_THREADS = 16  # the pool's size at most: the engine's thread waits on the fill (GIL released)
+PARALLEL_FILL_ROWS = 8  # from this many rows a step's masks are filled by llguidance's pool, GIL released
+# llguidance's pool. One thread: on the H100 host (16 cores) `benchmarks/grammar_fill.py` filled 256 masks of
+# 248,320 tokens in 14.3 ms on 1 thread against 22.9 on 8 and 16 (64 masks: 5.6 against 6.6 and 8.2); on the
+# 2-core VM 2 threads gained 20% at 256 rows and lost 28% at 64 (docs/PERFORMANCE.md, 2026-12-05, fourth
+# session). The pool still releases the GIL while it fills.
+FILL_THREADS = 1
 # One-line JSON with OpenAI's separators and no free whitespace: a wandering model cannot loop on blanks.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def fill_threads() -> int:
-    """Threads of the mask fill's pool: every core up to MAX_FILL_THREADS. The engine's thread only waits
-    while the pool fills a step's masks, and at batch 256 the fill is as long as the forward pass it hides
-    behind (docs/PERFORMANCE.md, 2026-12-05: 8 threads left (k) at batch 256 53% slower than plain)."""
-    return max(1, min(MAX_FILL_THREADS, os.cpu_count() or 1))
 
 
 def _llguidance() -> Any:
@@ -77,14 +73,14 @@ class GrammarCompiler:
     requests are compiled in the submitting thread, not in the engine's loop."""
 
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, stop_ids: list[int], threads: int | None = None
+        self, tokenizer: Tokenizer, vocab_size: int, stop_ids: list[int], threads: int = FILL_THREADS
     ) -> None:
         if not stop_ids:
             raise RequestError("constrained output needs the model's end-of-sequence token (eos_token_id)")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
-        self.threads = threads or fill_threads()
+        self.threads = threads
         self._lock = threading.Lock()
         self._vocabulary: Any = None
         self._executor: Any = None
