@@ -83,9 +83,8 @@ VARIABLES: tuple[Variable, ...] = (
         "ENCLAVE_MTP_GRAPHS",
         "mtp_graphs",
         "switch",
-        "0",
-        "`1` also replays the MTP head's passes (drafting, its K/V fill) from CUDA graphs; off until the "
-        "H200 has run them",
+        "1",
+        "`0` runs the MTP head's passes (drafting, its K/V fill) eagerly instead of replaying CUDA graphs",
     ),
     Variable(
         "ENCLAVE_ASYNC_SCHEDULING",
@@ -131,7 +130,7 @@ class EngineEnv:
     prefill_kernel: str = "packed"
     pdl: bool = True
     cuda_graphs: bool = True
-    mtp_graphs: bool = False
+    mtp_graphs: bool = True
     async_scheduling: bool = True
     speculation: str = "auto"
     deltanet_v_splits: int | None = None

@@ -5,10 +5,8 @@ import torch
 from engine.kernels import dispatch
 from engine.kernels.bitmask import reference
 
-# Not on CUDA by default until `test_apply_token_bitmask_real_vocab_on_gpu` has passed on the H200.
 dispatch.register(
     "apply_token_bitmask",
-    on_cuda_by_default=False,
     torch=reference.apply_token_bitmask,
     triton="engine.kernels.bitmask.triton:apply_token_bitmask",
 )

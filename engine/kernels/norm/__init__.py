@@ -90,16 +90,13 @@ def in_turn_fp8(
     return add_rms_norm_fp8(pending.tensor(), residual, weight, eps, group)
 
 
-# Held back from CUDA until their gpu test has run on the H200: `auto` runs them in turn there.
 dispatch.register(
     "combine_add_rms_norm",
-    on_cuda_by_default=False,
     torch=in_turn,
     triton="engine.kernels.norm.combine_triton:combine_add_rms_norm",
 )
 dispatch.register(
     "combine_add_rms_norm_fp8",
-    on_cuda_by_default=False,
     torch=in_turn_fp8,
     triton="engine.kernels.norm.combine_triton:combine_add_rms_norm_fp8",
 )

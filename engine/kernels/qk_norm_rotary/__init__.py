@@ -22,10 +22,8 @@ def in_turn(q, k, v, q_weight, k_weight, cos, sin, eps, k_cache, v_cache, slots)
     return q
 
 
-# Held back from CUDA until its gpu test has run there (`test_qk_norm_rotary_store_real_shapes_bf16`).
 dispatch.register(
     "qk_norm_rotary_store",
-    on_cuda_by_default=False,
     torch=in_turn,
     triton="engine.kernels.qk_norm_rotary.triton:qk_norm_rotary_store",
 )

@@ -9,10 +9,8 @@ from engine.kernels.sigmoid_gate import reference
 dispatch.register(
     "sigmoid_gate", torch=reference.sigmoid_gate, triton="engine.kernels.sigmoid_gate.triton:sigmoid_gate"
 )
-# Not on CUDA by default until `test_sigmoid_gate_fp8_real_shapes_bf16` has passed on the H200.
 dispatch.register(
     "sigmoid_gate_fp8",
-    on_cuda_by_default=False,
     torch=reference.sigmoid_gate_fp8,
     triton="engine.kernels.sigmoid_gate.triton:sigmoid_gate_fp8",
 )

@@ -37,6 +37,14 @@ def rand(*shape, seed=0, dtype=torch.float32, device=DEVICE):
     return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
 
 
+@pytest.fixture(autouse=True)
+def _fused_at_every_size(monkeypatch):
+    """The kernel is tested at every size; the engine's cap on it (`FUSED_MAX_TOKENS`) has its own test."""
+    from engine.kernels.norm import combine_triton
+
+    monkeypatch.setattr(combine_triton, "FUSED_MAX_TOKENS", 1 << 30)
+
+
 def case(t, h, slots, parts, extra, dtype, seed=0, device=DEVICE, part_dtype=None):
     """(pending, residual, weight) as the experts and the model make them: part [P, T*S, H] in fp32 (K
     splits, the GEMV) or, unsplit, in the model dtype; the shared gate a strided column of the routing
@@ -125,20 +133,37 @@ def test_torch_side_is_the_composition_of_the_references(monkeypatch):
     assert_same_fp8(xq, ref[2])
 
 
-def test_held_back_from_cuda_it_runs_the_two_launches_in_turn(monkeypatch):
-    """Not yet run on a GPU: under `auto` a CUDA tensor takes the composition (the combine kernel, then the
-    add + norm kernel: today's path), ENCLAVE_KERNELS=triton the fused kernel."""
+def test_on_cuda_it_runs_the_fused_kernel_up_to_its_token_cap(monkeypatch):
+    """Graduated (its gpu tests passed on an H100, 2026-12-05): under `auto` a CUDA tensor takes the fused
+    kernel; ENCLAVE_KERNELS=torch the composition. Past FUSED_MAX_TOKENS tokens the fused entry runs the two
+    launches in turn (prefill sizes are unmeasured)."""
     ops = ("combine_add_rms_norm", "combine_add_rms_norm_fp8")
-    assert set(ops) <= dispatch._HELD_BACK
+    assert not set(ops) & dispatch._HELD_BACK
     cuda_like = torch.zeros(2)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setenv("ENCLAVE_KERNELS", "auto")
     reset_engine_env()
-    assert dispatch.pick(ops[0], cuda_like) is in_turn and dispatch.pick(ops[1], cuda_like) is in_turn_fp8
-    monkeypatch.setenv("ENCLAVE_KERNELS", "triton")
-    reset_engine_env()
     assert dispatch.pick(ops[0], cuda_like) is combine_add_rms_norm
     assert dispatch.pick(ops[1], cuda_like) is combine_add_rms_norm_fp8
+    monkeypatch.setenv("ENCLAVE_KERNELS", "torch")
+    reset_engine_env()
+    assert dispatch.pick(ops[0], cuda_like) is in_turn and dispatch.pick(ops[1], cuda_like) is in_turn_fp8
+    monkeypatch.undo()
+    reset_engine_env()
+
+
+def test_past_the_token_cap_the_fused_entry_runs_in_turn(monkeypatch):
+    from engine.kernels.norm import combine_triton
+
+    monkeypatch.setenv("ENCLAVE_KERNELS", "triton")
+    reset_engine_env()
+    monkeypatch.setattr(combine_triton, "FUSED_MAX_TOKENS", 2)
+    pending, residual, weight = case(3, 33, 9, 2, True, torch.float32, seed=5)
+    normed, total = combine_add_rms_norm(pending, residual, weight, EPS)
+    assert dispatch.usage()["combine_add_rms_norm"] == "in-turn"
+    assert dispatch.usage()["moe_combine"] == dispatch.usage()["add_rms_norm"] == "triton"  # the two launches
+    ref_normed, ref_total = in_turn(pending, residual, weight, EPS)
+    assert torch.equal(normed, ref_normed) and torch.equal(total, ref_total)
 
 
 def test_inputs_no_model_makes_run_in_turn(monkeypatch, caplog):

@@ -146,9 +146,9 @@ def test_qk_norm_rotary_store_contiguous_values_and_no_tokens():
     assert empty[8].isnan().all() and empty[9].isnan().all()
 
 
-def test_the_op_runs_the_two_ops_in_turn_where_the_kernel_is_held_back(monkeypatch):
-    """Held back from CUDA (not yet run on a GPU), the op is today's path: the dispatched norm kernel, then
-    the attention op's cache write."""
+def test_the_op_runs_the_two_ops_in_turn_under_the_torch_backend(monkeypatch):
+    """The op's torch side is the path it replaces: the dispatched norm kernel, then the attention op's cache
+    write (what `auto` ran on CUDA until its gpu test passed, 2026-12-05)."""
     from engine.kernels import dispatch
     from engine.kernels import qk_norm_rotary_store as op
 
@@ -164,7 +164,7 @@ def test_the_op_runs_the_two_ops_in_turn_where_the_kernel_is_held_back(monkeypat
     assert torch.equal(out, ref_q)
     for got, want in zip(args[8:10], ref_caches, strict=True):
         assert torch.equal(got.nan_to_num(), want.nan_to_num())
-    assert "qk_norm_rotary_store" in dispatch._HELD_BACK
+    assert "qk_norm_rotary_store" not in dispatch._HELD_BACK  # its gpu test passed on an sm_90 GPU
 
 
 @pytest.mark.gpu
