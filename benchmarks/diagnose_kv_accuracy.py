@@ -12,6 +12,7 @@ no step wrote) and with the FP8 cache; then the same for the 35B preset.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -49,6 +50,9 @@ def finite_layers(model, prompts: torch.Tensor) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=32, help="demo model decode steps (the gpu test: 256)")
+    args = parser.parse_args()
     device = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
     with Engine.from_pretrained(write_demo_model("/tmp/demo-kv"), device="cuda", dtype="bfloat16") as e:
@@ -57,7 +61,7 @@ def main() -> None:
     print("demo model (from an Engine)")
     finite_layers(demo, prompts)
     for kv in ("auto", "fp8"):
-        print(f"  {kv}: {measure(demo, prompts, tokens=32, kv=kv)}", flush=True)
+        print(f"  {kv}: {measure(demo, prompts, tokens=args.tokens, kv=kv)}", flush=True)
     fresh = random_model(demo.config, device, torch.bfloat16, 0)
     print("random model of the demo's geometry (no Engine)")
     finite_layers(fresh, prompts)

@@ -98,9 +98,10 @@ for step in $STEPS; do
       run kv_fp8_accuracy "${KV_LIMIT:-300}" python -m engine.bench.kv_accuracy --preset qwen3.5-35b-a3b \
         --seqs 8 --prompt-len 512 --tokens 256 --json "$OUT/kv_fp8_accuracy.json" ;;
     kv_diagnose)  # where kv_accuracy's bf16 baseline went NaN on the GPU (demo model), and the noise floor
-      run kv_diagnose "${DIAGNOSE_LIMIT:-150}" python benchmarks/diagnose_kv_accuracy.py
+      run kv_diagnose "${DIAGNOSE_LIMIT:-150}" python benchmarks/diagnose_kv_accuracy.py --tokens "${DIAGNOSE_TOKENS:-256}"
       # the same without programmatic dependent launch: kv_accuracy's decode steps launch eagerly, outside graphs
-      run kv_diagnose_nopdl "${DIAGNOSE_LIMIT:-150}" env ENCLAVE_PDL=0 python benchmarks/diagnose_kv_accuracy.py ;;
+      run kv_diagnose_nopdl "${DIAGNOSE_LIMIT:-150}" env ENCLAVE_PDL=0 python benchmarks/diagnose_kv_accuracy.py \
+        --tokens "${DIAGNOSE_TOKENS:-256}" ;;
     bench)  # BENCH_TAG names the files when one call runs several benches; BENCH_LIMIT caps the seconds
       run "bench${BENCH_TAG:-}" "${BENCH_LIMIT:-540}" python -m engine.bench --preset qwen3.5-35b-a3b \
         --json "$OUT/bench${BENCH_TAG:-}.json" "$@" ;;

@@ -49,6 +49,10 @@ class KvAccuracy:
     mean_logit_error: float
     logit_std: float  # of the baseline's logits: the scale the errors compare to
     max_top1_logit_error: float  # at the baseline's chosen token, the one that matters for greedy
+    # Steps whose baseline logits hold a NaN or an infinity (any one makes the errors and the std NaN), and
+    # the first of them (None: every step finite).
+    nonfinite_steps: int = 0
+    first_nonfinite_step: int | None = None
 
 
 class _Run:
@@ -88,7 +92,10 @@ def measure(model: CausalLM, prompts: torch.Tensor, tokens: int, kv: str = "fp8"
     diverged = torch.full((seqs,), tokens, dtype=torch.long, device=prompts.device)
     mean_err = top1_err = var = 0.0
     step_errors: list[float] = []
+    nonfinite: list[int] = []
     for i in range(tokens):
+        if not torch.isfinite(ref).all():
+            nonfinite.append(i)
         chosen = ref.argmax(-1)  # [B]
         err = (got - ref).abs()
         step_errors.append(err.max().item())
@@ -116,6 +123,8 @@ def measure(model: CausalLM, prompts: torch.Tensor, tokens: int, kv: str = "fp8"
         mean_logit_error=mean_err,
         logit_std=var**0.5,
         max_top1_logit_error=top1_err,
+        nonfinite_steps=len(nonfinite),
+        first_nonfinite_step=nonfinite[0] if nonfinite else None,
     )
 
 
@@ -137,6 +146,10 @@ def table(result: KvAccuracy) -> str:
         ("mean |logit error|", f"{result.mean_logit_error:.4g}"),
         ("max |logit error| at the chosen token", f"{result.max_top1_logit_error:.4g}"),
         ("baseline logit std", f"{result.logit_std:.4g}"),
+        (
+            "baseline steps with non-finite logits (first)",
+            f"{result.nonfinite_steps} ({result.first_nonfinite_step})",
+        ),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
