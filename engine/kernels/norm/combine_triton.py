@@ -21,15 +21,11 @@ import triton
 import triton.language as tl
 
 from engine.kernels import dispatch
-from engine.kernels.fp8.quant import quantize_rows
-from engine.kernels.fp8.reference import AMAX_EPS, FP8_MAX, Fp8Activation
+from engine.kernels.fp8.reference import Fp8Activation
 from engine.kernels.moe.pending import PendingCombine
 from engine.kernels.norm import in_turn, in_turn_fp8
-from engine.kernels.norm.triton import MAX_DIM, WIDE, quantizable, tiles
+from engine.kernels.norm.triton import MAX_DIM, WIDE, quantizable, store_fp8_rows, tiles
 from engine.kernels.pdl import pdl_launch, pdl_wait
-
-_FP8_MAX = tl.constexpr(FP8_MAX)  # globals a kernel reads must be constexprs
-_AMAX_EPS = tl.constexpr(AMAX_EPS)
 
 
 @triton.jit
@@ -91,13 +87,8 @@ def _combine_add_rms_norm_kernel(
     wf = 1.0 + tl.load(weight + o_d, mask=o_d < D, other=0.0).to(tl.float32)
     y = (xf * wf[None, :]).to(out.dtype.element_ty)
     tl.store(out + p_out, y, mask=m)
-    if QUANT:  # the rounded output, as the quantiser would read it back; masked channels are 0
-        groups = tl.reshape(tl.where(m, y.to(tl.float32), 0.0), (BR * (BD // GW), GW))
-        b_q, scale = quantize_rows(groups, _FP8_MAX, _AMAX_EPS)
-        tl.store(q_out + p_out, tl.reshape(b_q, (BR, BD)).to(tl.float8e4nv), mask=m)
-        o_g = tl.arange(0, BD // GW)
-        p_s = s_out + token[:, None] * NG + o_g[None, :]
-        tl.store(p_s, tl.reshape(scale, (BR, BD // GW)), mask=m_r[:, None] & (o_g < NG)[None, :])
+    if QUANT:
+        store_fp8_rows(y, token, m, m_r, p_out, q_out, s_out, NG, BR, BD, GW)
 
 
 def _launch(pending: PendingCombine, residual: torch.Tensor, weight: torch.Tensor, eps: float, group=None):

@@ -95,13 +95,23 @@ def _rms_norm_kernel(
         y = xf * wf[None, :]
     y = y.to(out.dtype.element_ty)
     tl.store(out + p_out, y, mask=m)
-    if QUANT:  # the rounded output, as the quantiser would read it back; masked channels are 0
-        groups = tl.reshape(tl.where(m, y.to(tl.float32), 0.0), (BR * (BD // GW), GW))
-        b_q, scale = quantize_rows(groups, _FP8_MAX, _AMAX_EPS)
-        tl.store(q_out + p_out, tl.reshape(b_q, (BR, BD)).to(tl.float8e4nv), mask=m)
-        o_g = tl.arange(0, BD // GW)
-        p_s = s_out + o_r.to(tl.int64)[:, None] * NG + o_g[None, :]
-        tl.store(p_s, tl.reshape(scale, (BR, BD // GW)), mask=m_r[:, None] & (o_g < NG)[None, :])
+    if QUANT:
+        store_fp8_rows(y, o_r.to(tl.int64), m, m_r, p_out, q_out, s_out, NG, BR, BD, GW)
+
+
+@triton.jit
+def store_fp8_rows(
+    y, rows, m, m_r, p_out, q_out, s_out, NG, BR: tl.constexpr, BD: tl.constexpr, GW: tl.constexpr
+):
+    """Quantise a tile's rounded normed rows y [BR, BD] (as the quantiser would read them back; masked
+    channels are 0) to e4m3 per GW channels: the values at p_out in q_out, the scales at [rows, NG] in s_out.
+    The norm kernels' FP8 tail (this one's and the fused combine + norm's)."""
+    groups = tl.reshape(tl.where(m, y.to(tl.float32), 0.0), (BR * (BD // GW), GW))
+    b_q, scale = quantize_rows(groups, _FP8_MAX, _AMAX_EPS)
+    tl.store(q_out + p_out, tl.reshape(b_q, (BR, BD)).to(tl.float8e4nv), mask=m)
+    o_g = tl.arange(0, BD // GW)
+    p_s = s_out + rows[:, None] * NG + o_g[None, :]
+    tl.store(p_s, tl.reshape(scale, (BR, BD // GW)), mask=m_r[:, None] & (o_g < NG)[None, :])
 
 
 def tiles(rows: int, d: int) -> tuple[int, int, int]:
