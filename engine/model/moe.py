@@ -9,6 +9,7 @@ from engine import kernels
 from engine.config import ModelConfig
 from engine.kernels import PendingCombine, dispatch
 from engine.kernels.fp8.reference import Fp8Activation
+from engine.kernels.moe.pending import DEFER_MAX_TOKENS
 from engine.kernels.swiglu import swiglu
 from engine.model.linear import fp8_group, project
 
@@ -150,9 +151,9 @@ class SparseMoe(nn.Module):
     ) -> torch.Tensor | PendingCombine:
         """x [T, H] -> [T, H]; `xq`: x quantised for FP8 experts by the norm that produced it. With `defer`,
         the Triton experts' output before their combine (`PendingCombine`) where they run, for the residual
-        add + norm after this block to sum in its kernel; never while this module has forward hooks (they
-        would see it)."""
-        defer = defer and not hooked(self)
+        add + norm after this block to sum in its kernel: at most DEFER_MAX_TOKENS tokens, and never while
+        this module has forward hooks (they would see it)."""
+        defer = defer and x.shape[0] <= DEFER_MAX_TOKENS and not hooked(self)
         if self.shared_expert is None:
             weights, ids = kernels.moe_route(self.gate(x), self.top_k, self.renormalize)
             if self.fp8_block is not None:

@@ -25,6 +25,10 @@ import torch
 from engine.kernels import dispatch
 
 _DEFERRED: ContextVar[bool] = ContextVar("moe_combine_deferred", default=False)
+# Tokens up to which an MoE block defers its combine (`SparseMoe.forward`); larger steps launch it as before.
+# The fused kernel was measured at batch 1 only (an H100, 2026-12-05). It has a program per two tokens where
+# the combine has four per token, so at prefill sizes it may be slower; unmeasured, it is not used there.
+DEFER_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)

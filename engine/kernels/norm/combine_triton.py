@@ -119,18 +119,8 @@ def _launch(pending: PendingCombine, residual: torch.Tensor, weight: torch.Tenso
     return out, total, xq
 
 
-# Tokens up to which the fused kernel runs; more take the two launches in turn (recorded as "in-turn").
-# Measured on an H100 at batch 1 only (2026-12-05). The fused kernel has a program per two tokens where the
-# combine has four per token, so at prefill sizes it may be slower; unmeasured, it is not used there.
-FUSED_MAX_TOKENS = 16
-
-
 def _unfit(op: str, pending: PendingCombine, residual: torch.Tensor, group: int | None = None) -> bool:
-    """Whether `op` takes the composition instead: more than FUSED_MAX_TOKENS tokens (a choice), or inputs
-    no model makes (recorded and logged once)."""
-    if pending.tokens > FUSED_MAX_TOKENS:
-        dispatch.choose(op, "in-turn")
-        return True
+    """Whether `op` takes the composition instead (recorded and logged once): inputs no model makes."""
     wide = pending.shape[1] > MAX_DIM
     same = residual.shape == pending.shape and residual.dtype == pending.dtype
     groups = group is None or quantizable(group)

@@ -37,14 +37,6 @@ def rand(*shape, seed=0, dtype=torch.float32, device=DEVICE):
     return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
 
 
-@pytest.fixture(autouse=True)
-def _fused_at_every_size(monkeypatch):
-    """The kernel is tested at every size; the engine's cap on it (`FUSED_MAX_TOKENS`) has its own test."""
-    from engine.kernels.norm import combine_triton
-
-    monkeypatch.setattr(combine_triton, "FUSED_MAX_TOKENS", 1 << 30)
-
-
 def case(t, h, slots, parts, extra, dtype, seed=0, device=DEVICE, part_dtype=None):
     """(pending, residual, weight) as the experts and the model make them: part [P, T*S, H] in fp32 (K
     splits, the GEMV) or, unsplit, in the model dtype; the shared gate a strided column of the routing
@@ -133,10 +125,9 @@ def test_torch_side_is_the_composition_of_the_references(monkeypatch):
     assert_same_fp8(xq, ref[2])
 
 
-def test_on_cuda_it_runs_the_fused_kernel_up_to_its_token_cap(monkeypatch):
+def test_on_cuda_it_runs_the_fused_kernel(monkeypatch):
     """Graduated (its gpu tests passed on an H100, 2026-12-05): under `auto` a CUDA tensor takes the fused
-    kernel; ENCLAVE_KERNELS=torch the composition. Past FUSED_MAX_TOKENS tokens the fused entry runs the two
-    launches in turn (prefill sizes are unmeasured)."""
+    kernel; ENCLAVE_KERNELS=torch the composition."""
     ops = ("combine_add_rms_norm", "combine_add_rms_norm_fp8")
     assert not set(ops) & dispatch._HELD_BACK
     cuda_like = torch.zeros(2)
@@ -150,20 +141,6 @@ def test_on_cuda_it_runs_the_fused_kernel_up_to_its_token_cap(monkeypatch):
     assert dispatch.pick(ops[0], cuda_like) is in_turn and dispatch.pick(ops[1], cuda_like) is in_turn_fp8
     monkeypatch.undo()
     reset_engine_env()
-
-
-def test_past_the_token_cap_the_fused_entry_runs_in_turn(monkeypatch):
-    from engine.kernels.norm import combine_triton
-
-    monkeypatch.setenv("ENCLAVE_KERNELS", "triton")
-    reset_engine_env()
-    monkeypatch.setattr(combine_triton, "FUSED_MAX_TOKENS", 2)
-    pending, residual, weight = case(3, 33, 9, 2, True, torch.float32, seed=5)
-    normed, total = combine_add_rms_norm(pending, residual, weight, EPS)
-    assert dispatch.usage()["combine_add_rms_norm"] == "in-turn"
-    assert dispatch.usage()["moe_combine"] == dispatch.usage()["add_rms_norm"] == "triton"  # the two launches
-    ref_normed, ref_total = in_turn(pending, residual, weight, EPS)
-    assert torch.equal(normed, ref_normed) and torch.equal(total, ref_total)
 
 
 def test_inputs_no_model_makes_run_in_turn(monkeypatch, caplog):
@@ -280,6 +257,24 @@ def test_a_hooked_layer_sees_its_output_as_a_tensor(monkeypatch):
     with torch.no_grad():
         model(torch.tensor([1, 2], device=DEVICE), layout(2), cache)
     assert seen == [torch.Tensor, torch.Tensor]
+
+
+def test_an_moe_block_defers_only_up_to_its_token_cap(monkeypatch):
+    """Prefill-sized steps launch the combine as before (the fused kernel is measured at decode sizes only):
+    past DEFER_MAX_TOKENS tokens the block returns a tensor, and the fused op never runs."""
+    monkeypatch.setenv("ENCLAVE_KERNELS", "triton")
+    monkeypatch.setattr("engine.model.moe.DEFER_MAX_TOKENS", 2)
+    config, model = tiny_model(False)
+    moe = model.model.layers[0].mlp
+    x = torch.randn(3, config.hidden_size, device=DEVICE)
+    with torch.no_grad():
+        assert isinstance(moe(x[:2], defer=True), PendingCombine)
+        assert isinstance(moe(x, defer=True), torch.Tensor)
+    cache, layout = single_cache(config, 4, DEVICE, torch.float32)
+    dispatch.reset_usage()
+    with torch.no_grad():
+        model(torch.tensor([1, 2, 3], device=DEVICE), layout(3), cache)
+    assert "combine_add_rms_norm" not in dispatch.usage()
 
 
 # Qwen3.5-35B-A3B: hidden 2048, 8 routed experts + the shared one per token, bf16.
