@@ -86,8 +86,8 @@ for step in $STEPS; do
     constrained)  # (k) needs llguidance, absent from the GPU image: carry its cp312 wheel in .whl (see below)
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/llguidance-*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-      # llguidance's fill on this host's cores, per thread count (no GPU used)
-      run grammar_fill "${FILL_LIMIT:-120}" python benchmarks/grammar_fill.py --batches 64,256 --threads 1,8,16 \
+      # llguidance's fill on this host's cores, per thread count (no GPU used; FILL_SWEEP=0 skips it)
+      [ "${FILL_SWEEP:-1}" = 0 ] || run grammar_fill "${FILL_LIMIT:-120}" python benchmarks/grammar_fill.py --batches 64,256 --threads 1,8,16 \
         --schemas k,fixed_4096 --json "$OUT/grammar_fill.json"
       run "bench_k" "${BENCH_LIMIT:-300}" python -m engine.bench --preset qwen3.5-35b-a3b --workloads k \
         --batches 64,256 --json "$OUT/bench_k.json" "$@" ;;
@@ -100,7 +100,8 @@ for step in $STEPS; do
     kv_diagnose)  # where kv_accuracy's bf16 baseline went NaN on the GPU (demo model), and the noise floor
       run kv_diagnose "${DIAGNOSE_LIMIT:-150}" python benchmarks/diagnose_kv_accuracy.py --tokens "${DIAGNOSE_TOKENS:-256}"
       # the same without programmatic dependent launch: kv_accuracy's decode steps launch eagerly, outside graphs
-      run kv_diagnose_nopdl "${DIAGNOSE_LIMIT:-150}" env ENCLAVE_PDL=0 python benchmarks/diagnose_kv_accuracy.py \
+      # (DIAGNOSE_NOPDL=0 skips it)
+      [ "${DIAGNOSE_NOPDL:-1}" = 0 ] || run kv_diagnose_nopdl "${DIAGNOSE_LIMIT:-150}" env ENCLAVE_PDL=0 python benchmarks/diagnose_kv_accuracy.py \
         --tokens "${DIAGNOSE_TOKENS:-256}" ;;
     bench)  # BENCH_TAG names the files when one call runs several benches; BENCH_LIMIT caps the seconds
       run "bench${BENCH_TAG:-}" "${BENCH_LIMIT:-540}" python -m engine.bench --preset qwen3.5-35b-a3b \
