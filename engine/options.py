@@ -141,7 +141,14 @@ class CacheOptions(_Concern):
         low=0.01,
         high=1.0,
     )
-    block_size: int = _option("whole", 16, "positions per KV block", low=1, high=1024)
+    block_size: int | None = _option(
+        "whole",
+        None,
+        "positions per KV block; unset: 64 on cuda (the prefill attention kernel then reads each 64-key "
+        "tile from one page), 16 elsewhere",
+        low=1,
+        high=1024,
+    )
     max_prefixes: int = _option(
         "whole", 4, "shared prompt prefixes kept in the cache (a state slot each); 0: none", low=0, high=1024
     )

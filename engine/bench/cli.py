@@ -56,7 +56,7 @@ from engine.bench.harness import Bench
 from engine.bench.measure import describe, say
 from engine.bench.presets import PRESETS, expert_load, random_model, with_window
 from engine.bench.report import environment, geometry, load_text, param_summary, print_table, write_json
-from engine.bench.settings import BLOCK_SIZE, DTYPES, GIB, QUICK, WARMUP_STEPS, Settings, Sizes
+from engine.bench.settings import DTYPES, GIB, QUICK, WARMUP_STEPS, Settings, Sizes
 from engine.bench.traffic import ParamCounts, param_counts
 from engine.bench.transformers_ref import transformers_comparison
 from engine.bench.workloads import RUNNERS, long_positions
@@ -67,6 +67,7 @@ from engine.errors import EngineError
 from engine.model.fp8_linear import quantize_model_
 from engine.model.model import CausalLM
 from engine.options import DRAFT_HEADS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineOptions
+from engine.planner import block_size_for
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "repeat": args.repeat,
         "sizes": asdict(sizes),
         "settings": asdict(settings),
-        "block_size": settings.block_size,
+        "block_size": block_size_for(settings.block_size, device),
         "warmup_decode_steps": WARMUP_STEPS,
         "kernels": engine_env().kernels,
         "sampling": "greedy, ignore_eos, random prompt token ids",
@@ -301,7 +302,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=_doc("kv_cache_dtype")
     )
     parser.add_argument(
-        "--block-size", type=int, default=BLOCK_SIZE, help=f"{_doc('block_size')} (default {BLOCK_SIZE})"
+        "--block-size", type=int, help=_doc("block_size")
     )
     parser.add_argument("--draft-head", choices=DRAFT_HEADS, default="model", help=_doc("draft_head"))
     parser.add_argument("--json", default=str(DEFAULT_JSON), help="write the results here ('' for none)")

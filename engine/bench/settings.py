@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = 16  # the KV block size of the bench's own direct model calls (`presets.expert_load`)
 WARMUP_STEPS = 3  # decode steps run but not timed: first-use allocations, kernel compiles, graph captures
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GIB = 1 << 30
@@ -86,5 +86,5 @@ class Settings:
     long_prefill_chunk: int | None = None  # the engine option; None: the engine's default (32,768 on cuda)
     kv_cache_dtype: str = "auto"  # every workload's engine option (auto: the model's dtype; fp8)
     speculative: bool = False  # (b) also decodes each batch with controlled-acceptance speculation
-    block_size: int = BLOCK_SIZE  # the engines' KV block size (positions per block)
+    block_size: int | None = None  # the engines' KV block size (positions per block); None: the engine's
     draft_head: str = "model"  # the engines' `draft_head` option: the lm_head MTP drafts are scored with

@@ -1,10 +1,10 @@
 """The planner admits one 1,048,576-token sequence of Qwen3.6-35B-A3B with a bf16 cache on one H200.
 
-The arithmetic (bf16, block_size 16, Qwen3.6's geometry with YaRN to 1M):
+The arithmetic (bf16, block_size 64 as on CUDA, Qwen3.6's geometry with YaRN to 1M):
 
 - weights: 35.5 B parameters (the MTP head included) x 2 bytes = 66.1 GiB;
 - KV: 10 full-attention layers x (K + V) x 2 KV heads x 256 x 2 bytes = 20 KiB a position (22 KiB with the
-  MTP layer's cache when speculating), so 1,048,576 positions = 65,536 blocks of 16 = 20 GiB (22 GiB);
+  MTP layer's cache when speculating), so 1,048,576 positions = 16,384 blocks of 64 = 20 GiB (22 GiB);
 - a state slot: 30 DeltaNet layers x (32 x 128 x 128 fp32 recurrent state + 8,192 x 3 bf16 conv) = 61.4 MiB;
 - the H200 reports 143,771 MiB (140.4 GiB); less the weights, ~2 GiB of CUDA context and workspace, 10%
   held back (gpu_memory_utilization 0.9) and the activations of the largest step (a 32,768-token lone
@@ -137,3 +137,14 @@ def test_the_budget_leaves_room_for_a_lone_prefills_larger_step():
     per_token = activation_bytes(config, torch.bfloat16, 1, 0)
     assert budgets[1] - budgets[None] == (32768 - 8192) * per_token
     assert budgets[None] - budgets[65536] == (65536 - 32768) * per_token
+
+
+def test_the_block_size_is_64_on_cuda_and_16_elsewhere_unless_set():
+    # Unset, CUDA plans take 64-position pages (the packed prefill kernel's one-page key tiles, measured
+    # faster than 16 on Hopper) and the CPU keeps 16; the option wins wherever it is set.
+    assert h200_plan(H200, 0)[3].block_size == 64
+    config = config_from_dict(QWEN35_35B_A3B)
+    for block_size, device, want in ((None, "cpu", 16), (32, "cpu", 32)):
+        options = EngineOptions.from_flat({"block_size": block_size, "kv_cache_memory": 8 * GIB})
+        _, plan = plan_for(config, torch.bfloat16, torch.device(device), options, max_model_len=4096)
+        assert plan.block_size == want
