@@ -301,9 +301,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=_doc("kv_cache_dtype")
     )
-    parser.add_argument(
-        "--block-size", type=int, help=_doc("block_size")
-    )
+    parser.add_argument("--block-size", type=int, help=_doc("block_size"))
     parser.add_argument("--draft-head", choices=DRAFT_HEADS, default="model", help=_doc("draft_head"))
     parser.add_argument("--json", default=str(DEFAULT_JSON), help="write the results here ('' for none)")
     args = parser.parse_args(argv)

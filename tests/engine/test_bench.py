@@ -396,7 +396,10 @@ def test_constrained_workload_runs_plain_and_held_to_the_schema(tmp_path):
         assert "error" not in p, p
         assert p["plain"]["decode_steps"] > 0 and p["constrained"]["decode_steps"] > 0
         assert p["constrained"]["batch"] == p["plain"]["batch"] == p["batch"]  # none finished early
-        assert p["overhead"] == p["ms_per_step"] / p["plain_ms_per_step"] - 1
+        # the comparator: the held run's tokens replayed through one-token masks, none taken off the record
+        assert p["replay"]["decode_steps"] > 0 and p["replay"]["batch"] == p["batch"]
+        assert p["replay"]["mismatches"] == 0
+        assert p["overhead"] == p["ms_per_step"] / p["replay_ms_per_step"] - 1
         # the host's mask fills of the held run: one per step that samples, each over that step's rows
         fill = p["fill"]
         assert fill["calls"] >= p["constrained"]["decode_steps"] and 1 <= fill["mean_rows"] <= p["batch"]
@@ -458,3 +461,32 @@ def test_a_window_is_widened_with_qwen36s_yarn_only_when_needed():
     assert wide.rope.rope_type == "yarn" and wide.rope.factor == 4.0 and wide.max_model_len == 1 << 20
     assert wide.rope.original_max_position_embeddings == 262144 and wide.rope.theta == 1e7
     assert config_from_dict(with_window(raw, 1_500_000)).max_model_len == 1 << 21
+
+
+def test_replay_masks_allow_exactly_the_recorded_token():
+    # The (k) comparator's one-token masks, read by the engine's own bitmask kernel (the torch reference)
+    import torch
+
+    from engine.bench.constrained import ReplayCompiler
+    from engine.grammar import allocate_bitmask, apply_bitmask
+
+    vocab = 100
+    replayer = ReplayCompiler([99])
+    states = [replayer.state([3, 31, 32]), replayer.state([63, 0]), replayer.state([])]
+    states[1].accept(63)  # the second is one token on: 0 next
+    bitmask = allocate_bitmask(4, vocab, pin=False)
+    bitmask[:] = 0
+    replayer.fill(states, bitmask, [0, 2, 3])
+    logits = torch.zeros(4, vocab)
+    apply_bitmask(logits, bitmask, [0, 2, 3])
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [3]
+    assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [0]
+    assert torch.isfinite(logits[3]).all() and torch.isfinite(logits[1]).all()  # past its record; unmasked
+    for taken, token in ((3, 31), (31, 32)):  # bit 31 (the int32 sign bit), then the next word's bit 0
+        states[0].accept(taken)
+        bitmask[:] = 0
+        replayer.fill(states[:1], bitmask, [0])
+        logits = torch.zeros(4, vocab)
+        apply_bitmask(logits, bitmask, [0])
+        assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [token]
+    assert states[0].matcher.mismatches == 0 and states[1].matcher.mismatches == 0
