@@ -10,7 +10,10 @@ sequences that write one reserved KV block); the static inputs are the token ids
 the head reads ([bucket * q, H] each), the static output the head's normed hidden state (none for the
 fill). A pass that does not fit runs eagerly.
 
-Off unless ENCLAVE_MTP_GRAPHS=1 until the H200 has run `tests/engine/test_gpu.py` on it.
+On by default since the H100 ran `test_cuda_mtp_graphs_give_the_eager_heads_tokens` (docs/PERFORMANCE.md,
+2026-12-05, fourth session); ENCLAVE_MTP_GRAPHS=0 runs the passes eagerly. Each graph is captured on first
+use, not at start as the decode graphs are, so a run's first steps at a new batch bucket or block-table
+width pay a capture.
 """
 
 from __future__ import annotations
