@@ -135,14 +135,23 @@ class Bench:
         """Run one step; seconds it took, the device synchronised on both sides."""
         return wall_time(core.step, self.device)
 
-    def prefill(self, core: EngineCore, seqs: list[Sequence], deadline: float) -> tuple[float, int, bool]:
-        """Step until every sequence has its first token: (seconds, steps, whether it got there)."""
+    def prefill(
+        self,
+        core: EngineCore,
+        seqs: list[Sequence],
+        deadline: float,
+        trace: list[tuple[int, float]] | None = None,
+    ) -> tuple[float, int, bool]:
+        """Step until every sequence has its first token: (seconds, steps, whether it got there). `trace`
+        gets (positions computed in all, seconds so far) after each step."""
         spent, steps = 0.0, 0
         while any(not s.output_ids for s in seqs):
             if time.perf_counter() > deadline:
                 return spent, steps, False
             spent += self.step(core)
             steps += 1
+            if trace is not None:
+                trace.append((sum(s.num_computed for s in seqs), spent))
         return spent, steps, True
 
     def decode(self, core: EngineCore, seqs: list[Sequence], steps: int, deadline: float) -> dict[str, Any]:

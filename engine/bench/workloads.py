@@ -132,6 +132,24 @@ def long_prefill_flops(b: Bench, length: int, spent: float) -> dict[str, Any]:
     }
 
 
+MARKS = (131072, 262144, 524288)  # positions at which (e) reports a longer prompt's prefill time so far
+
+
+def reached(trace: list[tuple[int, float]], length: int) -> dict[int, float]:
+    """Seconds into a prefill at which it had computed each of MARKS' positions (those up to `length`). With
+    lone chunks of a size dividing the mark (32,768 on CUDA), a longer prompt has done exactly a prompt of
+    that length's work there: causal attention never looks ahead. Positions computed only (steps of which
+    the last one crossed a mark are counted whole)."""
+    marks: dict[int, float] = {}
+    for mark in MARKS:
+        if mark > length:
+            break
+        marks[mark] = next((t for computed, t in trace if computed >= mark), None)
+        if marks[mark] is None:
+            del marks[mark]
+    return marks
+
+
 def long_context(b: Bench) -> list[dict[str, Any]]:
     """(e) each very long prompt (--long-prompt, else one of `long_prompt`): its prefill, in lone chunks
     (`long_prefill_chunk`), then decode steps at that context, against the roofline with the KV read."""
@@ -155,10 +173,12 @@ def _long_context(b: Bench, length: int, wanted: int) -> list[dict[str, Any]]:
         deadline = b.deadline()
         core = b.core(1, max_len)
         seqs = b.add(core, 1, length, s.long_steps + WARMUP_STEPS + 1, max_len)
-        spent, steps, done = b.prefill(core, seqs, deadline)
+        trace: list[tuple[int, float]] = []
+        spent, steps, done = b.prefill(core, seqs, deadline, trace)
         state.update(core=core, seqs=seqs, done=done)
         tokens_per_s = core.prompt_tokens / spent if spent else None
         point = {"prompt_len": length, "prefill_s": spent, "steps": steps, "tokens_per_s": tokens_per_s}
+        point["reached_s"] = reached(trace, length)
         point |= {"chunk": chunk, "capped": not done}
         point |= long_prefill_flops(b, length, spent)
         bytes_ = prefill_bytes(
@@ -167,6 +187,9 @@ def _long_context(b: Bench, length: int, wanted: int) -> list[dict[str, Any]]:
         point["note"] = f"prefill {spent:.1f} s in {steps} steps" + ("" if done else " (time cap)")
         if spent:
             point["note"] += f"; {point['pct_of_matmul_rate']:.1f}% of the matrix rate"
+        marks = [f"{mark // 1024}k in {t:.1f} s" for mark, t in point["reached_s"].items() if mark < length]
+        if marks:
+            point["note"] += f" ({', '.join(marks)})"
         if length < wanted:
             point["note"] += f"; {wanted} asked, the model's window is {b.config.max_model_len}"
         return point | roofline(bytes_, length, tokens_per_s, b.bandwidth)

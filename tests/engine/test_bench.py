@@ -490,3 +490,15 @@ def test_replay_masks_allow_exactly_the_recorded_token():
         apply_bitmask(logits, bitmask, [0])
         assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [token]
     assert states[0].matcher.mismatches == 0 and states[1].matcher.mismatches == 0
+
+
+def test_a_long_prefill_reports_when_it_reached_each_mark():
+    # (e) at 1M reports the time to 131k, 262k and 524k positions: a 262k prompt's own prefill (same chunks)
+    from engine.bench.workloads import reached
+
+    chunk = 32768
+    trace = [(chunk * (i + 1), 2.0 * (i + 1)) for i in range(31)] + [(1_000_000, 63.0)]
+    assert reached(trace, 1_000_000) == {131072: 8.0, 262144: 16.0, 524288: 32.0}
+    assert reached(trace[:9], 300_000) == {131072: 8.0, 262144: 16.0}  # 524,288 is past the prompt
+    assert reached(trace[:3], 1_000_000) == {}  # capped before the first mark: none reported
+    assert reached([], 100) == {}
