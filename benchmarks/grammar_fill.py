@@ -1,17 +1,18 @@
 """What a grammar mask costs on the host: llguidance filling a step's bitmasks, per schema, batch and thread
 count, over the model's full vocabulary (the bench's synthetic byte-level tokenizer, 248,320 tokens).
 
-    python benchmarks/grammar_fill.py [--batches 1,64,256] [--threads 1,8] [--steps 24] [--json F]
+    python benchmarks/grammar_fill.py [--batches 1,64,256] [--threads 1,8] [--pools llguidance,python]
+        [--steps 24] [--json F]
 
 Each row starts at the schema's beginning and is advanced by tokens drawn from what its mask allows
 (preferring tokens that keep a string or an array open, so rows stay inside the long fields): first up to
 `spread` tokens alone (row r by r * 37 % spread), so the rows sit at different places of the schema as in a
 running batch, then `warm` steps all together, then `steps` steps are timed: the fill of every row's mask
-(`GrammarCompiler.fill`, llguidance's thread pool from 8 rows) and the matchers' advance by one token each
-(`accept`, what the engine does when it reads a step's tokens). Schemas: `k`, bench (k)'s mid-size schema;
-`fixed_4096`, the same with its last field a string of exactly 4,096 characters (what (k) used before
-2026-12-05); `free_string`, the same with one unbounded string. No GPU is needed: on the H200's host this
-measures that host's cores. Prints one table and writes JSON.
+(`GrammarCompiler.fill`, from 8 rows in the pool `--pools` names: llguidance's or Python threads) and the
+matchers' advance by one token each (`accept`, what the engine does when it reads a step's tokens).
+Schemas: `k`, bench (k)'s mid-size schema; `fixed_4096`, the same with its last field a string of exactly
+4,096 characters (what (k) used before 2026-12-05); `free_string`, the same with one unbounded string. No GPU
+is needed: on the H200's host this measures that host's cores. Prints one table and writes JSON.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.bench.constrained import SCHEMA, synthetic_tokenizer
 from engine.constraints import Constraint
-from engine.grammar import GrammarCompiler, allocate_bitmask
+from engine.grammar import FILL_POOL, FILL_POOLS, GrammarCompiler, allocate_bitmask
 
 VOCAB = 248_320
 CLOSERS = ('"', "]", "}")  # tokens holding one of these may end a string, an array or the object
@@ -56,8 +57,8 @@ def pick(allowed: torch.Tensor, texts: list[str], g: torch.Generator) -> int:
     return next((t for t in draws if not any(c in texts[t] for c in CLOSERS)), draws[0])
 
 
-def measure(name, schema, batch, threads, steps, warm, spread, texts, tok) -> dict:
-    compiler = GrammarCompiler(tok, VOCAB, [VOCAB - 1], threads=threads)
+def measure(name, schema, batch, threads, steps, warm, spread, texts, tok, pool=FILL_POOL) -> dict:
+    compiler = GrammarCompiler(tok, VOCAB, [VOCAB - 1], threads=threads, pool=pool)
     states = [compiler.state(Constraint.json_schema(schema)) for _ in range(batch)]
     bitmask = allocate_bitmask(batch, VOCAB, pin=False)
     rows = list(range(batch))
@@ -85,6 +86,7 @@ def measure(name, schema, batch, threads, steps, warm, spread, texts, tok) -> di
         "batch": batch,
         "spread": spread,
         "threads": threads,
+        "pool": pool,
         "fill_ms": fill_ms,
         "fill_p90_ms": 1e3 * sorted(fills)[int(0.9 * (len(fills) - 1))],
         "us_per_mask": 1e3 * fill_ms / batch,
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,64,256")
     parser.add_argument("--threads", default=f"1,{min(8, os.cpu_count() or 1)}")
     parser.add_argument("--schemas", default="k,fixed_4096,free_string")
+    parser.add_argument("--pools", default=FILL_POOL, help=f"fill pools to time, of {','.join(FILL_POOLS)}")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--spread", type=int, default=80, help="row r first advances r * 37 %% spread tokens")
     parser.add_argument("--warm", type=int, default=8, help="untimed steps of every row, before the timed")
@@ -107,18 +110,23 @@ def main(argv: list[str] | None = None) -> int:
     texts = [tok.backend.decode([t]) for t in range(VOCAB)]
     table = schemas()
     results = []
-    head = f"{'schema':<12} {'batch':>5} {'threads':>7} {'fill ms':>8} {'p90 ms':>7} {'us/mask':>8}"
-    print(f"{head} {'accept ms':>9}")
+    head = f"{'schema':<12} {'batch':>5} {'pool':>10} {'threads':>7} {'fill ms':>8} {'p90 ms':>7}"
+    print(f"{head} {'us/mask':>8} {'accept ms':>9}")
+    pools = args.pools.split(",")
+    if not set(pools) <= set(FILL_POOLS):
+        parser.error(f"--pools takes {', '.join(FILL_POOLS)}")
     for name in args.schemas.split(","):
         for batch in map(int, args.batches.split(",")):
-            for threads in sorted(set(map(int, args.threads.split(",")))):
-                r = measure(name, table[name], batch, threads, args.steps, args.warm, args.spread, texts, tok)
-                results.append(r)
-                print(
-                    f"{name:<12} {batch:>5} {threads:>7} {r['fill_ms']:>8.2f} {r['fill_p90_ms']:>7.2f} "
-                    f"{r['us_per_mask']:>8.1f} {r['accept_ms']:>9.2f}",
-                    flush=True,
-                )
+            for pool in pools:
+                for threads in sorted(set(map(int, args.threads.split(",")))):
+                    sizes = (args.steps, args.warm, args.spread)
+                    r = measure(name, table[name], batch, threads, *sizes, texts, tok, pool)
+                    results.append(r)
+                    print(
+                        f"{name:<12} {batch:>5} {pool:>10} {threads:>7} {r['fill_ms']:>8.2f} "
+                        f"{r['fill_p90_ms']:>7.2f} {r['us_per_mask']:>8.1f} {r['accept_ms']:>9.2f}",
+                        flush=True,
+                    )
     if args.json:
         info = {"cpu_count": os.cpu_count(), "torch": torch.__version__}
         Path(args.json).write_text(json.dumps({"host": info, "results": results}, indent=2) + "\n")

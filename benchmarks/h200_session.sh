@@ -87,8 +87,8 @@ for step in $STEPS; do
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/llguidance-*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       # llguidance's fill on this host's cores, per thread count (no GPU used; FILL_SWEEP=0 skips it)
-      [ "${FILL_SWEEP:-1}" = 0 ] || run grammar_fill "${FILL_LIMIT:-120}" python benchmarks/grammar_fill.py --batches 64,256 --threads 1,8,16 \
-        --schemas k,fixed_4096 --json "$OUT/grammar_fill.json"
+      [ "${FILL_SWEEP:-1}" = 0 ] || run grammar_fill "${FILL_LIMIT:-150}" python benchmarks/grammar_fill.py --batches 64,256 \
+        --threads 1,4,8 --pools llguidance,python --schemas k --json "$OUT/grammar_fill.json"
       run "bench_k" "${BENCH_LIMIT:-300}" python -m engine.bench --preset qwen3.5-35b-a3b --workloads k \
         --batches 64,256 --json "$OUT/bench_k.json" "$@" ;;
     kv_fp8)  # the FP8 KV cache (issue 19): its gpu tests, then greedy agreement and logit error over 256 tokens

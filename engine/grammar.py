@@ -18,6 +18,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,12 +31,19 @@ from engine.sampler import to_device
 from engine.tokenizer import Tokenizer
 
 MAX_COMPILED = 64  # distinct constraints kept compiled (a job's documents share one)
-PARALLEL_FILL_ROWS = 8  # from this many rows a step's masks are filled by llguidance's pool, GIL released
+PARALLEL_FILL_ROWS = 8  # from this many rows a step's masks are filled by a pool (FILL_POOL), GIL released
 # llguidance's pool. One thread: on the H100 host (16 cores) `benchmarks/grammar_fill.py` filled 256 masks of
 # 248,320 tokens in 14.3 ms on 1 thread against 22.9 on 8 and 16 (64 masks: 5.6 against 6.6 and 8.2); on the
 # 2-core VM 2 threads gained 20% at 256 rows and lost 28% at 64 (docs/PERFORMANCE.md, 2026-12-05, fourth
 # session). The pool still releases the GIL while it fills.
 FILL_THREADS = 1
+# Which pool fills a large step's masks: "llguidance" (its LLExecutor, the measured choice above) or "python"
+# (a thread pool calling each matcher, the GIL released inside each call: how vLLM parallelises
+# `fill_bitmask` above 128 rows). llguidance's pool did not get faster with threads on either GPU host
+# (the H200's: 22.6 ms for 256 masks on 1 thread, 20.8-24.5 on 2-8), so the Python pool is there to be
+# measured against it (`benchmarks/grammar_fill.py --pools`); unmeasured on a GPU host, it is not the default.
+FILL_POOLS = ("llguidance", "python")
+FILL_POOL = "llguidance"
 # One-line JSON with OpenAI's separators and no free whitespace: a wandering model cannot loop on blanks.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -73,14 +81,22 @@ class GrammarCompiler:
     requests are compiled in the submitting thread, not in the engine's loop."""
 
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, stop_ids: list[int], threads: int = FILL_THREADS
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        stop_ids: list[int],
+        threads: int = FILL_THREADS,
+        pool: str = FILL_POOL,
     ) -> None:
         if not stop_ids:
             raise RequestError("constrained output needs the model's end-of-sequence token (eos_token_id)")
+        if pool not in FILL_POOLS:
+            raise ValueError(f"the fill pool is one of {', '.join(FILL_POOLS)}, not {pool!r}")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         self.threads = threads
+        self.pool = pool
         self._lock = threading.Lock()
         self._vocabulary: Any = None
         self._executor: Any = None
@@ -93,18 +109,23 @@ class GrammarCompiler:
 
     def fill(self, states: list[GrammarState], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Fill `bitmask[rows[i]]` (host int32, contiguous) with the tokens `states[i]` allows next; from
-        PARALLEL_FILL_ROWS rows on, in llguidance's thread pool (the GIL released)."""
+        PARALLEL_FILL_ROWS rows on, in the `pool` of `threads` threads (the GIL released while they fill)."""
         llg = _llguidance()
         width = bitmask.shape[1] * 4
         start = time.perf_counter()
-        if len(states) >= PARALLEL_FILL_ROWS:
+        pairs = [(state.matcher, row) for state, row in zip(states, rows, strict=True)]
+        if len(states) < PARALLEL_FILL_ROWS:
+            _fill_rows(pairs, bitmask, width)
+        elif self.pool == "python":
+            with self._lock:
+                self._executor = self._executor or ThreadPoolExecutor(self.threads, "grammar-fill")
+            parts = [pairs[i :: self.threads] for i in range(self.threads)]
+            for done in [self._executor.submit(_fill_rows, part, bitmask, width) for part in parts]:
+                done.result()
+        else:
             with self._lock:
                 self._executor = self._executor or llg.LLExecutor(self.threads)
-            pairs = [(state.matcher, row) for state, row in zip(states, rows, strict=True)]
             self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), width, bitmask.shape[0])
-        else:
-            for state, row in zip(states, rows, strict=True):
-                state.matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), width)
         self.fill_stats.add(len(states), time.perf_counter() - start)
 
     def _compile(self, constraint: Constraint) -> Any:
@@ -129,6 +150,13 @@ class GrammarCompiler:
     def _new_vocabulary(self) -> Any:
         backend = self.tokenizer.backend
         return _llguidance().LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=self.stop_ids)
+
+
+def _fill_rows(pairs: list[tuple[Any, int]], bitmask: torch.Tensor, width: int) -> None:
+    """Each (matcher, row): the row's mask, one llguidance call each (it releases the GIL while it fills)."""
+    base = bitmask.data_ptr()
+    for matcher, row in pairs:
+        matcher.unsafe_compute_mask_ptr(base + row * width, width)
 
 
 def _grammar(llg: Any, constraint: Constraint) -> str:

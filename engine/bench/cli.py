@@ -64,6 +64,7 @@ from engine.config import ModelConfig, config_from_dict
 from engine.engine import Engine
 from engine.env import engine_env
 from engine.errors import EngineError
+from engine.grammar import FILL_POOL, FILL_POOLS, FILL_THREADS
 from engine.model.fp8_linear import quantize_model_
 from engine.model.model import CausalLM
 from engine.options import DRAFT_HEADS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineOptions
@@ -144,6 +145,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         speculative=args.speculative,
         block_size=args.block_size,
         draft_head=args.draft_head,
+        fill_pool=args.fill_pool,
+        fill_threads=args.fill_threads,
     )
     bandwidth, matmul = measure_device(device, dtype, args.quick)
     say(f"building {args.model or args.preset} on {device} as {dtype}")
@@ -303,10 +306,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--block-size", type=int, help=_doc("block_size"))
     parser.add_argument("--draft-head", choices=DRAFT_HEADS, default="model", help=_doc("draft_head"))
+    parser.add_argument(
+        "--fill-pool", choices=FILL_POOLS, help=f"(k)'s mask fill pool (default {FILL_POOL}, the engine's)"
+    )
+    parser.add_argument(
+        "--fill-threads", type=int, help=f"(k)'s mask fill threads (default {FILL_THREADS}, the engine's)"
+    )
     parser.add_argument("--json", default=str(DEFAULT_JSON), help="write the results here ('' for none)")
     args = parser.parse_args(argv)
     if args.long_prefill_chunk is not None and args.long_prefill_chunk < 1:
         parser.error("--long-prefill-chunk must be positive")
+    if args.fill_threads is not None and args.fill_threads < 1:
+        parser.error("--fill-threads must be positive")
     if args.max_seconds <= 0 or args.max_num_batched_tokens < 1 or args.max_num_seqs < 1 or args.repeat < 1:
         parser.error("--max-seconds, --max-num-batched-tokens, --max-num-seqs and --repeat must be positive")
     return args

@@ -189,7 +189,10 @@ def constrained(b: Bench) -> list[dict[str, Any]]:
     def compiler() -> GrammarCompiler:
         if "compiler" not in state:
             tokenizer = synthetic_tokenizer(b.config.vocab_size)
-            state["compiler"] = GrammarCompiler(tokenizer, b.config.vocab_size, list(b.config.eos_token_ids))
+            pool = {"pool": b.settings.fill_pool} if b.settings.fill_pool else {}
+            threads = {"threads": b.settings.fill_threads} if b.settings.fill_threads else {}
+            eos = list(b.config.eos_token_ids)
+            state["compiler"] = GrammarCompiler(tokenizer, b.config.vocab_size, eos, **pool, **threads)
         return state["compiler"]
 
     def measure(batch: int) -> dict[str, Any]:
@@ -223,13 +226,14 @@ def constrained(b: Bench) -> list[dict[str, Any]]:
                 "mean_ms": 1e3 * fills.seconds / fills.calls,
                 "max_ms": 1e3 * fills.max_seconds,
                 "threads": compiler().threads,
+                "pool": compiler().pool,
             }
         if replay.get("ms_per_step") and held.get("ms_per_step"):
             fill = point.get("fill")
             fill_text = ""
             if fill:
                 fill_text = f"; mask fill {fill['mean_ms']:.2f} ms mean, {fill['max_ms']:.1f} max"
-                fill_text += f" on {fill['threads']} threads"
+                fill_text += f" on {fill['threads']} threads ({fill['pool']})"
             overhead = held["ms_per_step"] / replay["ms_per_step"] - 1
             plain_ms = plain.get("ms_per_step")
             plain_text = f"; plain (other tokens) {plain_ms:.1f}" if plain_ms else ""

@@ -88,3 +88,5 @@ class Settings:
     speculative: bool = False  # (b) also decodes each batch with controlled-acceptance speculation
     block_size: int | None = None  # the engines' KV block size (positions per block); None: the engine's
     draft_head: str = "model"  # the engines' `draft_head` option: the lm_head MTP drafts are scored with
+    fill_pool: str | None = None  # (k)'s mask fill pool (`grammar.FILL_POOLS`); None: the engine's default
+    fill_threads: int | None = None  # ... and its threads; None: the engine's default

@@ -386,9 +386,13 @@ def test_every_preset_names_its_end_token_as_constrained_output_needs():
         assert config_from_dict(raw()).eos_token_ids, name
 
 
-def test_constrained_workload_runs_plain_and_held_to_the_schema(tmp_path):
+@pytest.mark.parametrize(
+    "fill_args", [[], ["--fill-pool", "python", "--fill-threads", "2"]], ids=["default", "python"]
+)
+def test_constrained_workload_runs_plain_and_held_to_the_schema(tmp_path, fill_args):
     path = tmp_path / "bench.json"
     argv = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--quick", "--workloads", "k"]
+    argv += fill_args
     assert bench.main([*argv, "--batches", "4", "--max-seconds", "60", "--json", str(path)]) == 0
     points = json.loads(path.read_text())["workloads"]["k"]
     assert [p["batch"] for p in points] == [1, 4]
@@ -404,6 +408,7 @@ def test_constrained_workload_runs_plain_and_held_to_the_schema(tmp_path):
         fill = p["fill"]
         assert fill["calls"] >= p["constrained"]["decode_steps"] and 1 <= fill["mean_rows"] <= p["batch"]
         assert 0 < fill["mean_ms"] <= fill["max_ms"] and fill["threads"] >= 1
+        assert (fill["pool"], fill["threads"]) == (("python", 2) if fill_args else ("llguidance", 1))
 
 
 def test_long_prompts_run_past_the_presets_window_with_yarn(monkeypatch, tmp_path, capsys):

@@ -8,6 +8,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from engine import Engine, RequestError, SamplingParams
 from engine.constraints import Constraint
@@ -212,3 +213,37 @@ def test_a_model_without_an_end_token_is_refused_in_one_line(demo_engine):
 
     with pytest.raises(RequestError, match="end-of-sequence token"):
         GrammarCompiler(demo_engine.tokenizer, demo_engine.config.vocab_size, [])
+
+
+@pytest.mark.parametrize("pool, threads", [("llguidance", 2), ("python", 3)])
+def test_each_fill_pool_fills_what_one_matcher_at_a_time_does(pool, threads):
+    # 12 rows (a pool from PARALLEL_FILL_ROWS) at different places of a schema: the pooled fill's masks equal
+    # the row-by-row fill's, bit for bit, in rows given out of order
+    from engine.bench.constrained import SCHEMA, synthetic_tokenizer
+    from engine.grammar import PARALLEL_FILL_ROWS, GrammarCompiler, allocate_bitmask
+
+    vocab = 4096
+    tokenizer = synthetic_tokenizer(vocab)
+    compiler = GrammarCompiler(tokenizer, vocab, [vocab - 1], threads=threads, pool=pool)
+    text = '{"patient_id": "AB123456", "age": 42, "sex": "other", "diagnoses": [{"code": "X1'
+    ids = tokenizer.backend.encode(text).ids
+    states = [compiler.state(Constraint.json_schema(SCHEMA)) for _ in range(12)]
+    for i, state in enumerate(states):
+        assert all(state.accept(t) for t in ids[: i * len(ids) // 12])
+    rows = [13, 2, 7, 0, 11, 4, 9, 1, 12, 6, 3, 8]
+    pooled = allocate_bitmask(14, vocab, pin=False)
+    compiler.fill(states, pooled, rows)
+    one = allocate_bitmask(14, vocab, pin=False)
+    for state, row in zip(states, rows, strict=True):
+        compiler.fill([state], one, [row])
+    assert len(states) >= PARALLEL_FILL_ROWS and torch.equal(pooled, one)
+    assert len({tuple(pooled[r].tolist()) for r in rows}) > 3  # the rows' masks differ
+    assert compiler.fill_stats.calls == 1 + len(states)
+
+
+def test_an_unknown_fill_pool_is_refused():
+    from engine.bench.constrained import synthetic_tokenizer
+    from engine.grammar import GrammarCompiler
+
+    with pytest.raises(ValueError, match="fill pool"):
+        GrammarCompiler(synthetic_tokenizer(300), 300, [299], pool="rayon")
