@@ -1,7 +1,7 @@
 """Benchmark: the prefill attention kernels against torch's flash SDPA at Qwen3.5's shape (issue 19).
 
     python benchmarks/attention_prefill.py [--cases 8192,32768,8192@131072,8192@524288] [--repeats 5]
-        [--sweep] [--json PATH]
+        [--sweep] [--block-size 64] [--kv-cache-dtype fp8] [--json PATH]
     python benchmarks/attention_prefill.py --device cpu --quick      (Triton's interpreter: fp32, D 16)
 
 One sequence per case: N new tokens after C cached ones (`N@C`; `N` alone: a whole causal prompt), 16 query
@@ -16,6 +16,11 @@ table is no run). Three implementations attend the same queries over the same ke
   causal mask aligned to the bottom right (query j sees keys 0 .. C + j): `causal_lower_right(N, C + N)`,
   which SDPA hands to the flash kernel as is_causal (flash aligns it so when the lengths differ), not a
   materialised mask.
+With `--kv-cache-dtype fp8` the caches hold e4m3 keys and values with a scale per (position, kv head), as
+the engine's FP8 cache does (`fp8_kv.quantize`); `packed` and `rows` read them (products in bf16), `rows-fp8`
+also runs the QK and PV products in e4m3 (ENCLAVE_FP8_ATTENTION's path), and SDPA runs on the dequantised
+keys and values in bf16, so the error is the kernels' own over the same cache (issue 19: a 1M-token prompt
+in 150 s with the FP8 cache needs about 650 TFLOP/s of attention).
 Only attention is timed (the caches hold every position beforehand; `paged_attention`'s write of the new
 rows is left out). TFLOP/s count the causal work: 4 * D * Hq * (sum over queries of the keys they see),
 N * C + N (N + 1) / 2 keys in all. The error is the max |ours - SDPA| over the outputs. On a CPU (Triton's
@@ -41,10 +46,10 @@ if not torch.cuda.is_available():  # before any Triton kernel module is imported
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.kernels import SeqLayout
-from engine.kernels.attention import prefill
+from engine.kernels.attention import fp8_kv, prefill
 from engine.kernels.attention import triton as attention_triton
 
-BLOCK = 16  # KV block size, the engine's default (--block-size: 64 and up give the packed kernel whole pages)
+BLOCK = 16  # KV block size (--block-size 64, the engine's CUDA default, gives the packed kernel whole pages)
 CASES = "8192,32768,8192@131072,8192@524288"
 QUICK_CASES = "40,24@40"  # tiny: seconds in the interpreter, a smoke test on a GPU
 
@@ -85,16 +90,32 @@ def make_inputs(n, ctx, hq, hkv, d, dtype, device, block=BLOCK, seed=0):
     return q, k, v, k_cache, v_cache, layout
 
 
-def ours(kernel: str, q, k_cache, v_cache, layout, config=None):
-    """A call of one prefill kernel (the launcher `paged_attention` uses for long sequences) into `out`."""
+def fp8_cache(k_cache, v_cache, layout, dtype):
+    """The caches as the engine's FP8 cache holds them (e4m3 with a scale per position and kv head):
+    (k8, v8, (k_scale, v_scale)); and the keys and values they hold, dequantised in sequence order
+    [S, Hkv, D] (what SDPA attends over)."""
+    (k8, ks), (v8, vs) = fp8_kv.quantize(k_cache), fp8_kv.quantize(v_cache)
+    block = layout.block_size
+    pos = torch.arange(layout.context_lens[0] + layout.query_lens[0], device=k_cache.device)
+    rows = torch.tensor(layout.block_tables[0], device=k_cache.device)[pos // block] * block + pos % block
+    hkv, d = k_cache.shape[2:]
+    k = fp8_kv.dequantize(k8, ks, dtype).view(-1, hkv, d)[rows]
+    v = fp8_kv.dequantize(v8, vs, dtype).view(-1, hkv, d)[rows]
+    return (k8, v8, (ks, vs)), k, v
+
+
+def ours(kernel: str, q, k_cache, v_cache, layout, config=None, scales=None):
+    """A call of one prefill kernel (the launcher `paged_attention` uses for long sequences) into `out`;
+    `scales` (k, v) for an FP8 cache; kernel `rows-fp8`: the rows kernel with e4m3 products."""
     out = torch.empty_like(q)
     scale = q.shape[-1] ** -0.5
 
     def run():
         if kernel == "packed":
-            attention_triton._long_packed(q, k_cache, v_cache, None, layout, scale, out, None, None, config)
+            attention_triton._long_packed(q, k_cache, v_cache, scales, layout, scale, out, None, None, config)
         else:
-            attention_triton._long(q, k_cache, v_cache, None, layout, scale, out, None, None, False)
+            fp8_dot = kernel == "rows-fp8"
+            attention_triton._long(q, k_cache, v_cache, scales, layout, scale, out, None, None, fp8_dot)
         return out
 
     return run
@@ -150,16 +171,20 @@ def time_ms(fn, repeats: int) -> float:
 
 def bench_case(n, ctx, args, hq, hkv, d, dtype, device, configs) -> list[dict]:
     q, k, v, k_cache, v_cache, layout = make_inputs(n, ctx, hq, hkv, d, dtype, device, args.block_size)
+    scales = None
+    runs = [("rows", None), *(("packed", c) for c in configs)]
+    if args.kv_cache_dtype == "fp8":
+        (k_cache, v_cache, scales), k, v = fp8_cache(k_cache, v_cache, layout, dtype)
+        runs.insert(1, ("rows-fp8", None))
     flops = causal_flops(n, ctx, hq, d)
     reference, variant = sdpa(q, k, v, n, ctx)
     expected = reference().float()
     sdpa_ms = time_ms(reference, args.repeats)
     rows = [dict(kernel="sdpa", variant=variant, ms=sdpa_ms, max_err=0.0)]
-    runs = [("rows", None), *(("packed", c) for c in configs)]
     for kernel, config in runs:
         row = dict(kernel=kernel, config=list(config) if config else None)
         try:
-            fn = ours(kernel, q, k_cache, v_cache, layout, config)
+            fn = ours(kernel, q, k_cache, v_cache, layout, config, scales)
             row["max_err"] = (fn().float() - expected).abs().max().item()
             row["ms"] = time_ms(fn, args.repeats)
         except Exception as e:  # a tiling past the GPU's resources: report it, keep sweeping
@@ -186,6 +211,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--sweep", action="store_true", help="the packed kernel at each tiling of prefill.SWEEP_TILES"
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="fp8: e4m3 caches with scales, as kv_cache_dtype=fp8 (and the rows kernel's e4m3 products too)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -202,7 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
         torch=torch.__version__,
-        shape=dict(hq=hq, hkv=hkv, d=d, dtype=str(dtype).removeprefix("torch."), block=args.block_size),
+        shape=dict(hq=hq, hkv=hkv, d=d, dtype=str(dtype).removeprefix("torch."), block=args.block_size)
+        | dict(kv_cache_dtype=args.kv_cache_dtype),
         results=results,
         best=best_configs(results),
     )

@@ -48,7 +48,10 @@ for step in $STEPS; do
         --json "$OUT/attention_prefill.json"
       # 64-position cache blocks: the packed kernel's one-table-read-per-tile path
       run attention_block64 "${BLOCK64_LIMIT:-60}" python benchmarks/attention_prefill.py --block-size 64 --cases 8192,8192@131072 \
-        --json "$OUT/attention_prefill_block64.json" ;;
+        --json "$OUT/attention_prefill_block64.json"
+      # the FP8 cache (issue 19: 1M tokens in 150 s): packed and rows over e4m3 caches, rows with e4m3 products
+      run attention_fp8 "${ATTENTION_FP8_LIMIT:-90}" python benchmarks/attention_prefill.py --block-size 64 \
+        --kv-cache-dtype fp8 --cases 8192,8192@524288 --json "$OUT/attention_prefill_fp8.json" ;;
     profile) run profile 150 python benchmarks/profile_step.py --out "$OUT" --rows 30 ;;
     verify)  # issue 18: (f)'s plain and verify steps profiled as (f) runs them (PDL on), and the dense
       # projections at 2-4 rows, Triton tiles against cuBLAS (benchmarks/verify_step_ops.py's predicted 0.21 ms)

@@ -44,3 +44,18 @@ def test_quick_cpu_run_with_a_sweep(tmp_path):
         assert "error" not in r, r
         assert r["max_err"] < 1e-5 and r["flops"] == bench.causal_flops(24, 40, 16, 16)
     assert tuple(report["best"]["overall"]) in {tuple(r["config"]) for r in rows if r["kernel"] == "packed"}
+
+
+def test_quick_cpu_run_over_an_fp8_cache(tmp_path):
+    # --kv-cache-dtype fp8: the kernels read e4m3 caches with scales; SDPA attends over what they hold
+    # (dequantised), so the bf16-product kernels agree to fp32 rounding and the e4m3 products to e4m3's
+    bench = load_bench()
+    path = tmp_path / "out.json"
+    argv = ["--device", "cpu", "--quick", "--cases", "24@40", "--kv-cache-dtype", "fp8"]
+    bench.main([*argv, "--json", str(path)])
+    report = json.loads(path.read_text())
+    assert report["shape"]["kv_cache_dtype"] == "fp8"
+    errors = {r["kernel"]: r["max_err"] for r in report["results"] if "error" not in r}
+    assert set(errors) == {"sdpa", "rows", "rows-fp8", "packed"}
+    assert errors["rows"] < 1e-5 and errors["packed"] < 1e-5
+    assert 1e-4 < errors["rows-fp8"] < 0.25  # e4m3 keeps 3 mantissa bits: visibly off, not wrong
