@@ -17,10 +17,10 @@ table is no run). Three implementations attend the same queries over the same ke
   which SDPA hands to the flash kernel as is_causal (flash aligns it so when the lengths differ), not a
   materialised mask.
 With `--kv-cache-dtype fp8` the caches hold e4m3 keys and values with a scale per (position, kv head), as
-the engine's FP8 cache does (`fp8_kv.quantize`); `packed` and `rows` read them (products in bf16), `rows-fp8`
-also runs the QK and PV products in e4m3 (ENCLAVE_FP8_ATTENTION's path), and SDPA runs on the dequantised
-keys and values in bf16, so the error is the kernels' own over the same cache (issue 19: a 1M-token prompt
-in 150 s with the FP8 cache needs about 650 TFLOP/s of attention).
+the engine's FP8 cache does (`fp8_kv.quantize`); `packed` and `rows` read them (products in bf16),
+`packed-fp8` and `rows-fp8` run the QK and PV products in e4m3 (ENCLAVE_FP8_ATTENTION's path), and SDPA
+runs on the dequantised keys and values in bf16, so the error is the kernels' own over the same cache
+(issue 19: a 1M-token prompt in 150 s with the FP8 cache needs about 650 TFLOP/s of attention).
 Only attention is timed (the caches hold every position beforehand; `paged_attention`'s write of the new
 rows is left out). TFLOP/s count the causal work: 4 * D * Hq * (sum over queries of the keys they see),
 N * C + N (N + 1) / 2 keys in all. The error is the max |ours - SDPA| over the outputs. On a CPU (Triton's
@@ -106,13 +106,14 @@ def fp8_cache(k_cache, v_cache, layout, dtype):
 
 def ours(kernel: str, q, k_cache, v_cache, layout, config=None, scales=None):
     """A call of one prefill kernel (the launcher `paged_attention` uses for long sequences) into `out`;
-    `scales` (k, v) for an FP8 cache; kernel `rows-fp8`: the rows kernel with e4m3 products."""
+    `scales` (k, v) for an FP8 cache; kernels `rows-fp8` and `packed-fp8`: with e4m3 products."""
     out = torch.empty_like(q)
     scale = q.shape[-1] ** -0.5
 
     def run():
-        if kernel == "packed":
-            attention_triton._long_packed(q, k_cache, v_cache, scales, layout, scale, out, None, None, config)
+        if kernel.startswith("packed"):
+            args = (q, k_cache, v_cache, scales, layout, scale, out, None, None, config)
+            attention_triton._long_packed(*args, fp8_dot=kernel == "packed-fp8")
         else:
             fp8_dot = kernel == "rows-fp8"
             attention_triton._long(q, k_cache, v_cache, scales, layout, scale, out, None, None, fp8_dot)
@@ -175,7 +176,7 @@ def bench_case(n, ctx, args, hq, hkv, d, dtype, device, configs) -> list[dict]:
     runs = [("rows", None), *(("packed", c) for c in configs)]
     if args.kv_cache_dtype == "fp8":
         (k_cache, v_cache, scales), k, v = fp8_cache(k_cache, v_cache, layout, dtype)
-        runs.insert(1, ("rows-fp8", None))
+        runs[1:1] = [("rows-fp8", None), *(("packed-fp8", c) for c in configs)]
     flops = causal_flops(n, ctx, hq, d)
     reference, variant = sdpa(q, k, v, n, ctx)
     expected = reference().float()

@@ -19,8 +19,11 @@ Launched without PDL, as the rows kernel: a chunk's attention runs for milliseco
 hides is microseconds.
 
 FP8 cache (`USE_KV_SCALE`): as the rows kernel, keys converted to q's dtype as stored with their scales on
-the score columns, values dequantised before the PV product. The e4m3 products (ENCLAVE_FP8_ATTENTION=1) stay
-with the rows kernel (`triton._long` routes them there).
+the score columns, values dequantised before the PV product. With e4m3 products (`FP8_DOT`,
+ENCLAVE_FP8_ATTENTION=1) the queries are quantised per row once per tile and the keys and values enter the
+dots as stored: QK^T times the query and key scales, and P times the values' scales quantised per row before
+the PV dot, as the rows kernel does. Unmeasured on a GPU: the e4m3 PV dot wants V K-major (Hopper's
+wgmma), and the cache stores it D-major, so Triton may transpose it through shared memory.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels.attention.e4m3 import E4M3_MAX, SCALE_TINY, to_e4m3
 
 # sm_90 at D 256, bf16/fp16 (ptxas, tests/engine/kernels/test_compile_sm90.py): 128 rows x 64 keys, 8 warps,
 # 2 stages. Unmeasured on the H200: benchmarks/attention_prefill.py --sweep picks among the alternatives.
@@ -52,7 +57,8 @@ SWEEP_TILES = [
 
 @triton.jit
 def _packed_block(
-    q,  # [BLOCK_M, BLOCK_D] queries of the tile
+    q,  # [BLOCK_M, BLOCK_D] queries of the tile (FP8_DOT: e4m3, times q_scale)
+    q_scale,  # [BLOCK_M] fp32 (FP8_DOT only)
     acc,  # [BLOCK_M, BLOCK_D] fp32 unnormalised output
     m_i,  # [BLOCK_M] fp32 running max (base 2)
     l_i,  # [BLOCK_M] fp32 running sum
@@ -78,6 +84,8 @@ def _packed_block(
     DOT_PRECISION: tl.constexpr,
     USE_KV_SCALE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
+    FP8_DOT: tl.constexpr,  # e4m3 QK and PV products (needs USE_KV_SCALE)
+    EXACT_E4M3: tl.constexpr,
 ):
     n = tl.arange(0, BLOCK_N)
     pos = start + n  # [BLOCK_N] key positions
@@ -108,16 +116,23 @@ def _packed_block(
     if IS_DIAGONAL or BLOCK_D != HEAD_DIM:
         # Rows past the sequence's end may hold NaN: masked loads give 0 there (0 * NaN would be NaN).
         kv_mask = kv_ok[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_ptr + k_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + v_offs, mask=kv_mask, other=0.0).to(q.dtype)
+        k = tl.load(k_ptr + k_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D] as stored
+        v = tl.load(v_ptr + v_offs, mask=kv_mask, other=0.0)
     else:
-        k = tl.load(k_ptr + k_offs).to(q.dtype)
-        v = tl.load(v_ptr + v_offs).to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], natural units
+        k = tl.load(k_ptr + k_offs)
+        v = tl.load(v_ptr + v_offs)
+    if FP8_DOT:  # e4m3 as stored, the queries' row scales on the scores
+        s = tl.dot(q, tl.trans(k)) * q_scale[:, None]  # [BLOCK_M, BLOCK_N], natural units
+    else:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], natural units
     if USE_KV_SCALE:
         row = flat * NUM_KV_HEADS  # [BLOCK_N] scale index (the head is in ks_ptr)
         s = s * tl.load(ks_ptr + row, mask=kv_ok, other=0.0)[None, :]
-        v = (v.to(tl.float32) * tl.load(vs_ptr + row, mask=kv_ok, other=0.0)[:, None]).to(q.dtype)
+        vs = tl.load(vs_ptr + row, mask=kv_ok, other=0.0)  # [BLOCK_N]
+        if not FP8_DOT:
+            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
     if IS_DIAGONAL:
         s = tl.where((pos[None, :] <= q_pos[:, None]) & kv_ok[None, :], s, float("-inf"))
     # Every row sees the first key of the first block it reads, so m stays finite. The softmax scale goes
@@ -126,7 +141,15 @@ def _packed_block(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if FP8_DOT:
+        # P times the values' scales, quantised per row (one fp32 factor a row, e4m3's full range), as the
+        # rows kernel does.
+        pv = p * vs[None, :]
+        pv_scale = tl.maximum(tl.max(pv, 1) / E4M3_MAX, SCALE_TINY)  # [BLOCK_M]
+        pv8 = to_e4m3(pv / pv_scale[:, None], EXACT_E4M3)
+        acc = acc * alpha[:, None] + tl.dot(pv8, v) * pv_scale[:, None]
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -163,6 +186,8 @@ def _prefill_packed_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_KV_SCALE: tl.constexpr = False,  # an FP8 cache with per-(position, kv head) scales
     NUM_KV_HEADS: tl.constexpr = 1,
+    FP8_DOT: tl.constexpr = False,  # e4m3 QK and PV products: q and P quantised per row
+    EXACT_E4M3: tl.constexpr = False,  # round to e4m3 in fp32 before casts (the interpreter)
 ):
     # The kv heads vary fastest over the grid: the programs of one tile read its block table together.
     h = tl.program_id(0)
@@ -183,6 +208,12 @@ def _prefill_packed_kernel(
     io_mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
     q_offs = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_offs, mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]; padding rows 0
+    if FP8_DOT:
+        qf = q.to(tl.float32)
+        q_scale = tl.maximum(tl.max(tl.abs(qf), 1) / E4M3_MAX, SCALE_TINY)  # [BLOCK_M]
+        q = to_e4m3(qf / q_scale[:, None], EXACT_E4M3)
+    else:
+        q_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
 
     table_ptr = block_tables_ptr + b.to(tl.int64) * stride_bt
     k_ptr = k_cache_ptr + h * stride_kh
@@ -196,19 +227,19 @@ def _prefill_packed_kernel(
     full_end = (ctx + j0 + 1) // BLOCK_N * BLOCK_N
     for start in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _packed_block(
-            q, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+            q, q_scale, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             stride_kb, stride_kr, stride_vb, stride_vr, scale_log2,
             KV_BLOCK, HEAD_DIM, BLOCK_D, BLOCK_N, False, KV_BLOCK % BLOCK_N == 0, DOT_PRECISION,
-            USE_KV_SCALE, NUM_KV_HEADS,
+            USE_KV_SCALE, NUM_KV_HEADS, FP8_DOT, EXACT_E4M3,
         )  # fmt: skip
     # The rest, up to the tile's last position (padding rows past the sequence's end mask keys >= kv_len).
     diag_end = tl.minimum(kv_len, ctx + j0 + TOKENS)
     for start in range(full_end, diag_end, BLOCK_N):
         acc, m_i, l_i = _packed_block(
-            q, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+            q, q_scale, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             stride_kb, stride_kr, stride_vb, stride_vr, scale_log2,
             KV_BLOCK, HEAD_DIM, BLOCK_D, BLOCK_N, True, KV_BLOCK % BLOCK_N == 0, DOT_PRECISION,
-            USE_KV_SCALE, NUM_KV_HEADS,
+            USE_KV_SCALE, NUM_KV_HEADS, FP8_DOT, EXACT_E4M3,
         )  # fmt: skip
 
     o = acc / l_i[:, None]
@@ -242,9 +273,15 @@ def prefill_packed(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    fp8_dot: bool = False,
+    exact_e4m3: bool = False,
 ) -> None:
     """Launch the packed kernel over `tiles` ([num_tiles, 2] int32: long sequence, first new token, tokens
-    block_m // group apart), writing `out` [T, Hq, D]; `tables`/`info` as `triton._seq_index` builds them."""
+    block_m // group apart), writing `out` [T, Hq, D]; `tables`/`info` as `triton._seq_index` builds them.
+    `fp8_dot` (an FP8 cache only): e4m3 QK and PV products; `exact_e4m3`: round to e4m3 in fp32 first (the
+    interpreter's cast is faulty)."""
+    if fp8_dot and scales is None:
+        raise ValueError("e4m3 products need an FP8 cache (its scales)")
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
     group = hq // hkv
@@ -268,6 +305,8 @@ def prefill_packed(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         USE_KV_SCALE=scales is not None,
         NUM_KV_HEADS=hkv,
+        FP8_DOT=fp8_dot,
+        EXACT_E4M3=fp8_dot and exact_e4m3,
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip

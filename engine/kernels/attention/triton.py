@@ -31,6 +31,10 @@ import triton.language as tl
 from engine.env import engine_env
 from engine.kernels import dispatch
 from engine.kernels.attention import fp8_kv, prefill, reference
+from engine.kernels.attention.e4m3 import E4M3_MAX as _E4M3_MAX
+from engine.kernels.attention.e4m3 import SCALE_TINY as _SCALE_TINY
+from engine.kernels.attention.e4m3 import round_to_e4m3 as _round_to_e4m3
+from engine.kernels.attention.e4m3 import to_e4m3 as _to_e4m3
 from engine.kernels.layout import SeqLayout
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
@@ -43,8 +47,6 @@ _MIN_KEYS_PER_SPLIT = 128
 _MAX_SPLITS = 128
 _LOG2E = 1.4426950408889634
 FP8_NEEDS_SM89 = "an FP8 KV cache needs sm_89 or later (Triton's e4m3 conversion)"
-_E4M3_MAX = tl.constexpr(fp8_kv.FP8_MAX)
-_SCALE_TINY = tl.constexpr(fp8_kv.SCALE_TINY)
 
 
 @triton.jit
@@ -165,23 +167,6 @@ def _store_fp8_row(x_ptr, cache_ptr, scale_ptr, at, d, HEAD_DIM: tl.constexpr):
     q = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -_E4M3_MAX, _E4M3_MAX))
     tl.store(cache_ptr + at * HEAD_DIM + d, q.to(cache_ptr.dtype.element_ty), mask=d_ok)
     tl.store(scale_ptr + at, scale)
-
-
-@triton.jit
-def _round_to_e4m3(x):
-    """x (fp32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32: the cast after
-    it is exact, so the result (up to the sign of zero) does not hang on the cast's rounding (Triton's
-    interpreter rounds half up and can carry into the exponent: 126.8 -> 64)."""
-    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 |x|) for normal x
-    step_exp = tl.maximum(exponent, -6) - 3  # 3 mantissa bits; below 2^-6 the subnormals' fixed 2^-9
-    step = ((step_exp + 127) << 23).to(tl.float32, bitcast=True)  # 2^step_exp, exact
-    # Times 2^-step_exp, exact: the GPU's `/` is an approximate division (up to 2 ulp), which moved 36 of 55M
-    # values across a rounding boundary on the H200 (one e4m3 step off torch's cast).
-    y = x * ((127 - step_exp) << 23).to(tl.float32, bitcast=True)
-    r = tl.floor(y + 0.5)
-    odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
-    r = tl.where(((r - y) == 0.5) & odd, r - 1.0, r)  # a tie rounded up to an odd value goes down
-    return r * step
 
 
 @triton.jit
@@ -329,16 +314,6 @@ def _prefill_block(
 
 
 @triton.jit
-def _to_e4m3(x, EXACT_E4M3: tl.constexpr):
-    """x (fp32, |x| <= 448 up to rounding) as e4m3; EXACT_E4M3 rounds in fp32 first (the interpreter's
-    cast is faulty, see `_round_to_e4m3`; the GPU's cast rounds to nearest even, saturating, the same)."""
-    x = tl.clamp(x, -_E4M3_MAX, _E4M3_MAX)
-    if EXACT_E4M3:
-        x = _round_to_e4m3(x)
-    return x.to(tl.float8e4nv)
-
-
-@triton.jit
 def _prefill_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -475,7 +450,7 @@ def paged_attention(
         fp8_products: with an FP8 cache, run the prefill kernel's QK and PV products in e4m3 (queries and
             softmax weights quantised per row); None: as ENCLAVE_FP8_ATTENTION says (default off).
         prefill_kernel: `rows` or `packed` (`prefill`) for the long sequences; None: as
-            ENCLAVE_PREFILL_KERNEL says (default packed). The e4m3 products run on the rows kernel.
+            ENCLAVE_PREFILL_KERNEL says (default packed). Either runs the e4m3 products.
         layout: the batch's sequences and block tables.
         scale: softmax scale.
     Returns:
@@ -505,8 +480,9 @@ def paged_attention(
             kernel = prefill_kernel or engine_env().prefill_kernel
             if kernel not in ("rows", "packed"):
                 raise ValueError(f"prefill_kernel must be 'rows' or 'packed', got {kernel!r}")
-            if kernel == "packed" and not fp8_dot:
-                _long_packed(q, k_cache, v_cache, scales, layout, scale, out, block_m, block_n)
+            if kernel == "packed":
+                args = (q, k_cache, v_cache, scales, layout, scale, out, block_m, block_n)
+                _long_packed(*args, fp8_dot=fp8_dot)
             else:
                 _long(q, k_cache, v_cache, scales, layout, scale, out, block_m, block_n, fp8_dot)
         else:
@@ -649,17 +625,20 @@ def _long(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, b
 
 
 def _long_packed(
-    q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, block_n, config=None
+    q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, block_n, config=None, fp8_dot=False
 ) -> None:
     """Every long sequence in one launch of the packed kernel over (kv head, tile of new tokens); `config`
-    (rows, keys, warps, stages) overrides the tiling (benchmarks/attention_prefill.py --sweep)."""
+    (rows, keys, warps, stages) overrides the tiling (benchmarks/attention_prefill.py --sweep); `fp8_dot`:
+    e4m3 products over an FP8 cache."""
     group = q.shape[1] // k_cache.shape[2]
     rows, keys, warps, stages = config or prefill.tiling(q.dtype, group, block_m, block_n)
     tables, info = _seq_index(layout, "long", q.device)
     tiles = _prefill_tiles(layout, rows // group, q.device)
     dispatch.choose("attention", "triton-prefill-packed")
+    tiling = (rows, keys, warps, stages)
+    exact = engine_env().triton_interpret
     prefill.prefill_packed(
-        q, k_cache, v_cache, scales, tables, info, tiles, scale, out, rows, keys, warps, stages
+        q, k_cache, v_cache, scales, tables, info, tiles, scale, out, *tiling, fp8_dot, exact
     )
 
 

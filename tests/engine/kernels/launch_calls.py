@@ -118,6 +118,9 @@ def attention() -> None:
     for lens in (((1,), (100,)), ((4,), (4224,)), ((100, 1), (0, 50))):
         attention_call(BF16, layout(*lens), fp8_cache=True)
     attention_call(BF16, layout((100,), (50,)), fp8_cache=True, fp8_products=True)
+    # The rows prefill kernel (ENCLAVE_PREFILL_KERNEL=rows): a bf16 cache, an FP8 one with e4m3 products.
+    attention_call(BF16, layout((100, 1), (0, 50)), prefill_kernel="rows")
+    attention_call(BF16, layout((100,), (50,)), fp8_cache=True, fp8_products=True, prefill_kernel="rows")
     # The packed prefill kernel (ENCLAVE_PREFILL_KERNEL=packed): bf16 and fp32 caches, an FP8 one.
     for dtype in (BF16, FP32):
         attention_call(dtype, layout((100, 1), (0, 50)), prefill_kernel="packed")

@@ -138,11 +138,12 @@ def test_prefill_kernel_switched_off_reads_the_fp8_cache_in_the_reference(monkey
     torch.testing.assert_close(got, expected, **TOL)
 
 
+@pytest.mark.parametrize("kernel", ["rows", "packed"])
 @pytest.mark.parametrize(
     ("query_lens", "context_lens", "heads"),
     [([20], [0], (3, 1, 16)), ([1, 24, 4], [40, 9, 3], (4, 2, 32)), ([70], [50], (4, 2, 64))],
 )
-def test_fp8_products_stay_close_to_the_reference(query_lens, context_lens, heads):
+def test_fp8_products_stay_close_to_the_reference(query_lens, context_lens, heads, kernel):
     """The prefill kernel's e4m3 QK and PV products (queries, and softmax weights times the value scales,
     quantised per row) against the reference over the same FP8 cache. Each quantisation moves a factor by
     at most 2^-4 of itself; over unit-normal inputs that moved outputs (std 0.2-0.5) by 0.03-0.07 at most
@@ -152,8 +153,9 @@ def test_fp8_products_stay_close_to_the_reference(query_lens, context_lens, head
     ref = [t.clone() for t in (k8, v8, ks, vs)]
     expected = reference.attention(q, k, v, ref[0], ref[1], layout, d**-0.5, ref[2], ref[3])
     got = attention_triton.paged_attention(
-        q, k, v, k8, v8, layout, d**-0.5, k_scale=ks, v_scale=vs, block_n=16, block_m=16, fp8_products=True
-    )
+        q, k, v, k8, v8, layout, d**-0.5, k_scale=ks, v_scale=vs, block_n=16, block_m=16, fp8_products=True,
+        prefill_kernel=kernel,
+    )  # fmt: skip
     err = (got - expected).abs()
     assert err.max() < 0.15 and err.mean() < 0.02, (err.max(), err.mean())
     short = [t for i in layout.short_seqs for t in range(layout.cu_seqlens[i], layout.cu_seqlens[i + 1])]

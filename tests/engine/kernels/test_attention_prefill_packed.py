@@ -74,18 +74,25 @@ def fp8_case(query_lens, context_lens, block_size):
     return q, k, v, k8, v8, ks, vs, layout
 
 
-def test_fp8_products_stay_on_the_rows_kernel():
-    """ENCLAVE_FP8_ATTENTION's e4m3 products are the rows kernel's: with them the packed choice runs it."""
-    q, k, v, k8, v8, ks, vs, layout = fp8_case([24], [9], 4)
+@pytest.mark.parametrize("block_size", [4, 32])
+def test_the_packed_kernel_runs_the_fp8_products_itself(block_size):
+    """ENCLAVE_FP8_ATTENTION's e4m3 products on the packed kernel (no longer handed to the rows kernel): it
+    runs them (not its bf16 products over the same cache), within e4m3's reach of the rows kernel's."""
+    q, k, v, k8, v8, ks, vs, layout = fp8_case([24, 40], [9, 0], block_size)
 
-    def run(kernel):
+    def run(kernel, products):
         caches = [t.clone() for t in (k8, v8, ks, vs)]
-        return attention_triton.paged_attention(
+        dispatch.reset_usage()
+        out = attention_triton.paged_attention(
             q, k, v, caches[0], caches[1], layout, 0.25, k_scale=caches[2], v_scale=caches[3],
-            block_m=16, block_n=16, fp8_products=True, prefill_kernel=kernel,
+            block_m=16, block_n=16, fp8_products=products, prefill_kernel=kernel,
         )  # fmt: skip
+        return out, dispatch.usage().get("attention")
 
-    assert torch.equal(run("packed"), run("rows"))
+    (packed, used), (plain, _), (rows, _) = run("packed", True), run("packed", False), run("rows", True)
+    assert used == PACKED and not torch.equal(packed, plain)
+    err = (packed - rows).abs()
+    assert err.max() < 0.15 and err.mean() < 0.02, (err.max(), err.mean())
 
 
 def test_the_variable_picks_the_kernel(monkeypatch):
