@@ -37,3 +37,22 @@ def to_e4m3(x, EXACT_E4M3: tl.constexpr):
     if EXACT_E4M3:
         x = round_to_e4m3(x)
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize_rows(x, EXACT_E4M3: tl.constexpr):
+    """x [M, D] (any float) as (e4m3 [M, D], fp32 scale [M]): one scale a row, amax / 448 (the queries of an
+    e4m3 QK product)."""
+    xf = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(xf), 1) / E4M3_MAX, SCALE_TINY)
+    return to_e4m3(xf / scale[:, None], EXACT_E4M3), scale
+
+
+@triton.jit
+def pv_e4m3(acc, alpha, p, vs, v, EXACT_E4M3: tl.constexpr):
+    """acc * alpha + P V with an e4m3 product: P [M, N] (softmax weights, fp32) times the values' scales
+    vs [N], quantised per row (one fp32 factor a row, e4m3's full range), against V [N, D] e4m3 as stored."""
+    pv = p * vs[None, :]
+    pv_scale = tl.maximum(tl.max(pv, 1) / E4M3_MAX, SCALE_TINY)  # [M]
+    pv8 = to_e4m3(pv / pv_scale[:, None], EXACT_E4M3)
+    return acc * alpha[:, None] + tl.dot(pv8, v) * pv_scale[:, None]

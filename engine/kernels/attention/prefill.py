@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.attention.e4m3 import E4M3_MAX, SCALE_TINY, to_e4m3
+from engine.kernels.attention.e4m3 import pv_e4m3, quantize_rows
 
 # sm_90 at D 256, bf16/fp16 (ptxas, tests/engine/kernels/test_compile_sm90.py): 128 rows x 64 keys, 8 warps,
 # 2 stages. Unmeasured on the H200: benchmarks/attention_prefill.py --sweep picks among the alternatives.
@@ -142,12 +142,7 @@ def _packed_block(
     p = tl.exp2(s * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if FP8_DOT:
-        # P times the values' scales, quantised per row (one fp32 factor a row, e4m3's full range), as the
-        # rows kernel does.
-        pv = p * vs[None, :]
-        pv_scale = tl.maximum(tl.max(pv, 1) / E4M3_MAX, SCALE_TINY)  # [BLOCK_M]
-        pv8 = to_e4m3(pv / pv_scale[:, None], EXACT_E4M3)
-        acc = acc * alpha[:, None] + tl.dot(pv8, v) * pv_scale[:, None]
+        acc = pv_e4m3(acc, alpha, p, vs, v, EXACT_E4M3)
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -209,9 +204,7 @@ def _prefill_packed_kernel(
     q_offs = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_offs, mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]; padding rows 0
     if FP8_DOT:
-        qf = q.to(tl.float32)
-        q_scale = tl.maximum(tl.max(tl.abs(qf), 1) / E4M3_MAX, SCALE_TINY)  # [BLOCK_M]
-        q = to_e4m3(qf / q_scale[:, None], EXACT_E4M3)
+        q, q_scale = quantize_rows(q, EXACT_E4M3)
     else:
         q_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
 

@@ -33,8 +33,9 @@ from engine.kernels import dispatch
 from engine.kernels.attention import fp8_kv, prefill, reference
 from engine.kernels.attention.e4m3 import E4M3_MAX as _E4M3_MAX
 from engine.kernels.attention.e4m3 import SCALE_TINY as _SCALE_TINY
+from engine.kernels.attention.e4m3 import pv_e4m3 as _pv_e4m3
+from engine.kernels.attention.e4m3 import quantize_rows as _quantize_rows
 from engine.kernels.attention.e4m3 import round_to_e4m3 as _round_to_e4m3
-from engine.kernels.attention.e4m3 import to_e4m3 as _to_e4m3
 from engine.kernels.layout import SeqLayout
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
@@ -303,11 +304,7 @@ def _prefill_block(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if FP8_DOT:
-        # P times the values' scales, quantised per row (one fp32 factor a row, e4m3's full range).
-        pv = p * vs[None, :]
-        pv_scale = tl.maximum(tl.max(pv, 1) / _E4M3_MAX, _SCALE_TINY)  # [BLOCK_M]
-        pv8 = _to_e4m3(pv / pv_scale[:, None], EXACT_E4M3)
-        acc = acc * alpha[:, None] + tl.dot(pv8, v) * pv_scale[:, None]
+        acc = _pv_e4m3(acc, alpha, p, vs, v, EXACT_E4M3)
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -368,9 +365,7 @@ def _prefill_attention_kernel(
     q_offs = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_offs, mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]; padding rows 0
     if FP8_DOT:
-        qf = q.to(tl.float32)
-        q_scale = tl.maximum(tl.max(tl.abs(qf), 1) / _E4M3_MAX, _SCALE_TINY)  # [BLOCK_M]
-        q = _to_e4m3(qf / q_scale[:, None], EXACT_E4M3)
+        q, q_scale = _quantize_rows(q, EXACT_E4M3)
     else:
         q_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
 
