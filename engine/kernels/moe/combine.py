@@ -41,6 +41,28 @@ def expert_rows(w_ptr, ws_ptr, expert, num_experts, stride_we, stride_wn, stride
 
 
 @triton.jit
+def sum_slots(
+    part_ptr, extra_ptr, gate_ptr, token, offs, mask, gate_mask,
+    stride_ps, stride_pp, stride_ph, stride_et, stride_eh, stride_g,
+    NUM_SLOTS: tl.constexpr, PARTS: tl.constexpr, HAS_EXTRA: tl.constexpr,
+):  # fmt: skip
+    """The combine's sum in fp32, unrounded: each token's (token, slot) rows of part [P, T*S, H] in slot
+    order, each slot's K splits in turn, then + gate * extra. `token` and `offs` broadcast against each other
+    (a scalar token and [BLOCK_H] channels here; [BR, 1] tokens and [1, BD] channels in the fused combine +
+    norm), as do `mask` and the gate's `gate_mask`: the same order of adds in both kernels."""
+    acc = tl.zeros(mask.shape, dtype=tl.float32)
+    for s in tl.static_range(NUM_SLOTS):  # slot order, shared expert last: deterministic
+        p_slot = part_ptr + (token * NUM_SLOTS + s) * stride_pp + offs * stride_ph
+        for k in tl.static_range(PARTS):
+            acc += tl.load(p_slot + k * stride_ps, mask=mask, other=0.0).to(tl.float32)
+    if HAS_EXTRA:
+        extra = tl.load(extra_ptr + token * stride_et + offs * stride_eh, mask=mask, other=0.0)
+        weight = tl.load(gate_ptr + token * stride_g, mask=gate_mask, other=0.0)
+        acc += weight.to(tl.float32) * extra.to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _combine_kernel(
     part_ptr,  # [PARTS, T*S, H]
     extra_ptr,  # [T, H] with HAS_EXTRA: a shared expert's output computed elsewhere
@@ -65,14 +87,10 @@ def _combine_kernel(
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < hidden
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for s in tl.static_range(NUM_SLOTS):  # slot order, shared expert last: deterministic
-        for k in tl.static_range(PARTS):
-            ptrs = part_ptr + k * stride_ps + (token * NUM_SLOTS + s) * stride_pp + offs * stride_ph
-            acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_EXTRA:
-        extra = tl.load(extra_ptr + token * stride_et + offs * stride_eh, mask=mask, other=0.0)
-        acc += tl.load(gate_ptr + token * stride_g).to(tl.float32) * extra.to(tl.float32)
+    acc = sum_slots(
+        part_ptr, extra_ptr, gate_ptr, token, offs, mask, True,
+        stride_ps, stride_pp, stride_ph, stride_et, stride_eh, stride_g, NUM_SLOTS, PARTS, HAS_EXTRA,
+    )  # fmt: skip
     tl.store(out_ptr + token * stride_ot + offs * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -22,9 +22,18 @@ import triton.language as tl
 
 from engine.kernels import dispatch
 from engine.kernels.fp8.reference import Fp8Activation
+from engine.kernels.moe.combine import sum_slots
 from engine.kernels.moe.pending import PendingCombine
 from engine.kernels.norm import in_turn, in_turn_fp8
-from engine.kernels.norm.triton import MAX_DIM, WIDE, quantizable, store_fp8_rows, tiles
+from engine.kernels.norm.triton import (
+    MAX_DIM,
+    WIDE,
+    add_residual,
+    quantizable,
+    rms_scaled,
+    store_fp8_rows,
+    tiles,
+)
 from engine.kernels.pdl import pdl_launch, pdl_wait
 
 
@@ -67,23 +76,15 @@ def _combine_add_rms_norm_kernel(
     token = o_r.to(tl.int64)
     p_out = token[:, None] * D + o_d[None, :]  # [BR, BD] contiguous output rows
     # The combine: slot order, each slot's K splits in turn, the shared expert run outside last.
-    acc = tl.zeros([BR, BD], dtype=tl.float32)
-    for s in tl.static_range(NUM_SLOTS):
-        p_slot = part + (token * NUM_SLOTS + s)[:, None] * stride_pp + o_d[None, :] * stride_ph
-        for k in tl.static_range(PARTS):
-            acc += tl.load(p_slot + k * stride_ps, mask=m, other=0.0).to(tl.float32)
-    if HAS_EXTRA:
-        b_e = tl.load(extra + token[:, None] * stride_et + o_d[None, :] * stride_eh, mask=m, other=0.0)
-        b_g = tl.load(gate + token * stride_g, mask=m_r, other=0.0)
-        acc += b_g.to(tl.float32)[:, None] * b_e.to(tl.float32)
+    acc = sum_slots(
+        part, extra, gate, token[:, None], o_d[None, :], m, m_r[:, None],
+        stride_ps, stride_pp, stride_ph, stride_et, stride_eh, stride_g, NUM_SLOTS, PARTS, HAS_EXTRA,
+    )  # fmt: skip
     b_x = acc.to(out.dtype.element_ty)  # the combine's output, rounded once
     # `add_rms_norm`: the rounded sum with the residual, stored, then normed.
     b_res = tl.load(residual + token[:, None] * stride_rt + o_d[None, :], mask=m, other=0.0)
-    b_x = (b_x.to(tl.float32) + b_res.to(tl.float32)).to(out.dtype.element_ty)
-    tl.store(residual_out + p_out, b_x, mask=m)
-    xf = b_x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)  # [BR]
-    xf = xf * rstd[:, None]
+    b_x = add_residual(b_x, b_res, residual_out, p_out, m)
+    xf = rms_scaled(b_x, D, eps)
     wf = 1.0 + tl.load(weight + o_d, mask=o_d < D, other=0.0).to(tl.float32)
     y = (xf * wf[None, :]).to(out.dtype.element_ty)
     tl.store(out + p_out, y, mask=m)

@@ -74,11 +74,8 @@ def _rms_norm_kernel(
     if HAS_RESIDUAL:
         p_res = residual + (row_a * stride_ra + row_b * stride_rb)[:, None] + o_d[None, :]
         b_res = tl.load(p_res, mask=m, other=0.0)
-        b_x = (b_x.to(tl.float32) + b_res.to(tl.float32)).to(x.dtype.element_ty)  # the rounded sum
-        tl.store(residual_out + p_out, b_x.to(residual_out.dtype.element_ty), mask=m)
-    xf = b_x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)  # [BR]
-    xf = xf * rstd[:, None]
+        b_x = add_residual(b_x, b_res, residual_out, p_out, m)
+    xf = rms_scaled(b_x, D, eps)
     b_w = tl.load(weight + o_d, mask=o_d < D, other=0.0)
     if IS_GATED:
         # weight * normed in the input dtype (as the reference), then * silu(gate) in fp32.
@@ -97,6 +94,23 @@ def _rms_norm_kernel(
     tl.store(out + p_out, y, mask=m)
     if QUANT:
         store_fp8_rows(y, o_r.to(tl.int64), m, m_r, p_out, q_out, s_out, NG, BR, BD, GW)
+
+
+@triton.jit
+def add_residual(b_x, b_res, residual_out, p_out, m):
+    """x + residual in fp32, rounded to x's dtype: stored at p_out in residual_out and returned (the add of
+    `add_rms_norm`, and of the fused combine + norm)."""
+    b_x = (b_x.to(tl.float32) + b_res.to(tl.float32)).to(b_x.dtype)  # the rounded sum
+    tl.store(residual_out + p_out, b_x.to(residual_out.dtype.element_ty), mask=m)
+    return b_x
+
+
+@triton.jit
+def rms_scaled(b_x, D, eps):
+    """A tile's rows [BR, BD] in fp32 over their root mean square (masked channels 0), before the weight."""
+    xf = b_x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)  # [BR]
+    return xf * rstd[:, None]
 
 
 @triton.jit

@@ -3,15 +3,17 @@
 Under Triton's interpreter each program runs in Python, so a case costs seconds and the full product of
 sizes, head layouts, dtypes and tilings costs minutes while adding no code path: a kernel's branches hang on
 one value (a masked tile, a constexpr) or on two meeting (a head count with a tile width), rarely on three.
+Also `captured`, the gpu tests' CUDA-graph capture of a kernel call.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+import torch
 
 
 def crossed(first: Sequence, second: Sequence, *cycled: Sequence) -> list:
@@ -37,3 +39,13 @@ def ids(value: Any) -> str:
     if isinstance(value, tuple):
         return "x".join(ids(v) for v in value)
     return str(value).removeprefix("torch.")
+
+
+def captured(block: Callable[[], Any]) -> tuple[Any, Any]:
+    """(graph, its static output): `block` run once eagerly (its kernels compile outside the capture), then
+    captured in a CUDA graph. The gpu tests' replay checks copy new inputs in and call `graph.replay()`."""
+    block()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block()
+    return graph, out

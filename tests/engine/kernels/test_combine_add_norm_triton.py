@@ -23,7 +23,7 @@ from engine.kernels.norm import triton as norm_triton
 from engine.kernels.norm.combine_triton import combine_add_rms_norm, combine_add_rms_norm_fp8
 from engine.model.fp8_linear import quantize_model_
 from tests.engine.factories import single_cache, text_config
-from tests.engine.kernels.cases import crossed
+from tests.engine.kernels.cases import captured, crossed
 from tests.engine.kernels.test_moe_triton import nan_empty as nan_empty  # a fixture, used by name
 
 EPS = 1e-6
@@ -322,14 +322,11 @@ def test_deferred_experts_and_fused_norm_replay_in_cuda_graph_gpu(t):
         assert isinstance(pending, PendingCombine)
         return combine_add_rms_norm(pending, residual, weight, EPS)
 
-    block()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = block()
+    graph, out = captured(block)
     for seed in (7, 8):
         x.copy_(rand(t, H, seed=seed, dtype=torch.bfloat16, device="cuda"))
         logits.copy_(rand(t, E + 1, seed=seed + 10, dtype=torch.bfloat16, device="cuda"))
         graph.replay()
         eager = block()
-        for got, expected in zip(captured, eager, strict=True):
+        for got, expected in zip(out, eager, strict=True):
             assert torch.equal(got, expected)

@@ -19,7 +19,7 @@ from engine.kernels.linear import reference
 from engine.kernels.linear import triton as linear_triton
 from engine.model.fp8_linear import is_fp8_projection
 from engine.model.linear import Linear
-from tests.engine.kernels.cases import crossed, ids
+from tests.engine.kernels.cases import captured, crossed, ids
 from tests.engine.kernels.test_moe_triton import DEVICE, assert_relative, needs_cuda, rand
 from tests.engine.kernels.test_moe_triton import nan_empty as nan_empty  # a fixture, used by name
 
@@ -276,10 +276,7 @@ def test_linear_replays_in_cuda_graph_gpu(k, n):
     # Split K (a second launch) included: captured once, replayed on new x, equal to an eager call.
     x = rand(1, k, seed=1).to(torch.bfloat16)
     w, _ = weights(n, k, torch.bfloat16, seed=2)
-    linear_triton.linear(x, w)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = linear_triton.linear(x, w)
+    graph, out = captured(lambda: linear_triton.linear(x, w))
     x.copy_(rand(1, k, seed=3).to(torch.bfloat16))
     graph.replay()
     assert torch.equal(out, linear_triton.linear(x, w))

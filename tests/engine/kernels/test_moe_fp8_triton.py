@@ -24,7 +24,7 @@ from engine.kernels.moe import fp8 as moe_fp8
 from engine.kernels.moe import gemv, reference
 from engine.kernels.moe.config import ExpertsConfig
 from engine.model.fp8_linear import quantize_gate_up
-from tests.engine.kernels.cases import crossed
+from tests.engine.kernels.cases import captured, crossed
 from tests.engine.kernels.test_moe_triton import assert_relative, rand
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -328,10 +328,7 @@ def test_experts_replay_in_cuda_graph_gpu(real_weights):
     t = 16
     x = rand(t, H, seed=3).to(torch.bfloat16)
     weights, ids = reference.route(rand(t, E, seed=4), K, renormalize=True)
-    moe_fp8.experts(x, *real_weights, weights, ids, BLOCK)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe_fp8.experts(x, *real_weights, weights, ids, BLOCK)
+    graph, out = captured(lambda: moe_fp8.experts(x, *real_weights, weights, ids, BLOCK))
     new_weights, new_ids = reference.route(rand(t, E, seed=6), K, renormalize=True)
     x.copy_(rand(t, H, seed=5))
     weights.copy_(new_weights)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from engine.kernels.fp8 import reference as fp8_reference
 from engine.kernels.moe import gemv, reference
-from tests.engine.kernels.cases import ids
+from tests.engine.kernels.cases import captured, ids
 from tests.engine.kernels.test_moe_triton import (
     DEVICE,
     REL_TOL,
@@ -262,10 +262,7 @@ def test_experts_replay_in_cuda_graph_gpu(t):
     def block():
         return gemv.experts(x, w13, w2, weights, ids, s13, s2)
 
-    block()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = block()
+    graph, out = captured(block)
     new_weights, new_ids = routed(t, E, K, True, seed=5)
     x.copy_(rand(t, H, seed=6))
     weights.copy_(new_weights)

@@ -11,7 +11,7 @@ import torch
 from engine.kernels import dispatch
 from engine.kernels.moe import reference
 from engine.kernels.moe import triton as moe_triton
-from tests.engine.kernels.cases import crossed
+from tests.engine.kernels.cases import captured, crossed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -316,10 +316,7 @@ def test_route_and_experts_replay_in_cuda_graph_gpu(t):
         weights, ids = moe_triton.route(logits, K, True, shared=True)
         return moe_triton.experts(x, w13, w2, weights, ids, s13, s2)
 
-    block()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = block()
+    graph, out = captured(block)
     x.copy_(rand(t, H, seed=5))
     logits.copy_(rand(t, E + 1, seed=6))
     graph.replay()
