@@ -1,9 +1,12 @@
 """The model's cached state on the device: DeltaNet state slots and a paged KV pool per attention layer.
 
-A *slot* holds, for every Gated DeltaNet layer, the conv window [C, K-1] and the fp32 recurrent state
-[Hv, dk, dv] of one sequence. A *block* holds `block_size` positions of keys and values for every
-full-attention layer (and the MTP head's attention layers, which share the block tables). Which slot and
-blocks a sequence owns is decided by the allocators (engine/allocator.py); this file only holds tensors.
+A *slot* holds, for every Gated DeltaNet layer, the conv window [C, K-1] and the recurrent state
+[Hv, dk, dv] of one sequence: in the dtype the release's `mamba_ssm_dtype` names (fp32 for Qwen3.5/3.6, and
+when it names none), or the `state_dtype` option's (bf16 halves the bytes; the kernels compute in fp32 and
+round the state after every token). A *block* holds `block_size` positions of
+keys and values for every full-attention layer (and the MTP head's attention layers, which share the block
+tables). Which slot and blocks a sequence owns is decided by the allocators (engine/allocator.py); this
+file only holds tensors.
 
 The KV blocks are in the model's dtype, or with `kv_cache_dtype="fp8"` in float8 e4m3 with an fp32 scale
 per (position, kv head) in a parallel tensor (engine/kernels/attention/fp8_kv.py): about half the bytes.
@@ -26,7 +29,7 @@ class LinearState:
     """State of one Gated DeltaNet layer for every slot."""
 
     conv: torch.Tensor  # [S, conv_dim, K-1] last inputs of the causal conv
-    recurrent: torch.Tensor  # [S, Hv, dk, dv] fp32 delta-rule state
+    recurrent: torch.Tensor  # [S, Hv, dk, dv] delta-rule state (fp32, or the model's dtype)
 
 
 @dataclass
@@ -47,16 +50,22 @@ def kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return FP8_KV_DTYPE if name == "fp8" else dtype
 
 
+def state_dtype(name: str, config: ModelConfig) -> torch.dtype:
+    """The recurrent states' dtype for the `state_dtype` option: auto, the config's `mamba_ssm_dtype`;
+    float32; bfloat16."""
+    return getattr(torch, config.mamba_ssm_dtype if name == "auto" else name)
+
+
 def is_scaled(kv_dtype: torch.dtype) -> bool:
     """Whether KV blocks of this dtype carry scales (FP8)."""
     return kv_dtype == FP8_KV_DTYPE
 
 
-def slot_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of one slot over all DeltaNet layers."""
+def slot_bytes(config: ModelConfig, dtype: torch.dtype, state: torch.dtype = torch.float32) -> int:
+    """Bytes of one slot over all DeltaNet layers: conv windows in `dtype`, recurrent states in `state`."""
     c = config
     conv = c.linear_conv_dim * (c.linear_conv_kernel_dim - 1) * dtype.itemsize
-    rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * state.itemsize
     return c.layer_types.count("linear_attention") * (conv + rec)
 
 
@@ -69,7 +78,8 @@ def block_bytes(config: ModelConfig, kv_dtype: torch.dtype, block_size: int, num
 
 
 class ModelCache:
-    """`num_slots` DeltaNet state slots and `num_blocks` KV blocks of `block_size` positions, preallocated."""
+    """`num_slots` DeltaNet state slots and `num_blocks` KV blocks of `block_size` positions, preallocated;
+    recurrent states in `state_dtype` (default fp32), KV blocks in `kv_dtype` (default `dtype`)."""
 
     def __init__(
         self,
@@ -81,6 +91,7 @@ class ModelCache:
         dtype: torch.dtype,
         num_mtp_layers: int = 0,
         kv_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.config = config
         self.num_slots = num_slots
@@ -89,6 +100,7 @@ class ModelCache:
         self.device = torch.device(device)
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype  # the KV blocks'; FP8 ones carry scales
+        self.state_dtype = state_dtype
         # Every DeltaNet layer's states are views of one pool per kind, [layers, S, ...], so copying slots
         # (a verify step's commit, a prefix's fork) is one gather and scatter per pool, not two per layer.
         c = config
@@ -96,7 +108,7 @@ class ModelCache:
         conv = (linear, num_slots, c.linear_conv_dim, c.linear_conv_kernel_dim - 1)
         rec = (linear, num_slots, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
         self.conv_pool = torch.empty(conv, device=self.device, dtype=dtype)
-        self.recurrent_pool = torch.empty(rec, device=self.device, dtype=torch.float32)
+        self.recurrent_pool = torch.empty(rec, device=self.device, dtype=state_dtype)
         views = iter(range(linear))
         self.layers: dict[int, LinearState | PagedKV] = {
             i: self._linear(next(views)) if kind == "linear_attention" else self._kv()

@@ -16,6 +16,9 @@ from engine.errors import ConfigError
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 LAYER_TYPES = ("linear_attention", "full_attention")
 ROPE_TYPES = ("default", "linear", "yarn")
+# `mamba_ssm_dtype`: the dtype a release says its Gated DeltaNet recurrent states are kept in (Qwen3.5 and
+# Qwen3.6 write float32).
+STATE_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 # Defaults of the reference classes (transformers' Qwen3_5MoeTextConfig / Qwen3NextConfig).
 _COMMON_DEFAULTS: dict[str, Any] = {
@@ -114,6 +117,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     mtp_num_hidden_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    mamba_ssm_dtype: str = "float32"  # the release's recurrent-state dtype; the `state_dtype` option's auto
     quantization: Fp8Config | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -127,6 +131,11 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"config value {name} must be a positive integer, got {value!r}")
+        if self.mamba_ssm_dtype not in STATE_DTYPE_NAMES:
+            raise ConfigError(
+                f"config value mamba_ssm_dtype must be one of {', '.join(STATE_DTYPE_NAMES)}, "
+                f"got {self.mamba_ssm_dtype!r}"
+            )
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries "
@@ -284,6 +293,7 @@ def _build(text: dict[str, Any], outer: dict[str, Any], family: str, model_type:
         tie_word_embeddings=bool(outer.get("tie_word_embeddings", values.get("tie_word_embeddings", False))),
         mtp_num_hidden_layers=mtp_layers,
         eos_token_ids=_token_ids(values.get("eos_token_id", outer.get("eos_token_id"))),
+        mamba_ssm_dtype=str(values.get("mamba_ssm_dtype", "float32")),
         quantization=_quantization(outer.get("quantization_config") or values.get("quantization_config")),
         extra={"raw": text},
     )

@@ -11,7 +11,7 @@ import logging
 import time
 
 from engine.allocator import BlockAllocator, SlotAllocator
-from engine.cache import ModelCache, kv_cache_dtype, slot_bytes
+from engine.cache import ModelCache, kv_cache_dtype, slot_bytes, state_dtype
 from engine.env import engine_env
 from engine.errors import EngineError
 from engine.graphs import DecodeGraphs, graphs_wanted
@@ -76,8 +76,9 @@ class EngineCore:
         # With CUDA graphs one more slot and block, past the allocators' ranges, take the padding sequences.
         slots, blocks = plan.total_slots + graphs, plan.num_blocks + graphs
         kv_dtype = kv_cache_dtype(options.cache.kv_cache_dtype, dtype)
+        states = state_dtype(options.cache.state_dtype, model.config)
         self.cache = ModelCache(
-            model.config, slots, blocks, plan.block_size, device, dtype, num_mtp, kv_dtype
+            model.config, slots, blocks, plan.block_size, device, dtype, num_mtp, kv_dtype, states
         )
         self.slots = SlotAllocator(plan.num_slots)
         self.blocks = BlockAllocator(plan.num_blocks, plan.block_size)
@@ -101,7 +102,7 @@ class EngineCore:
             kv_itemsize = (
                 self.cache.mtp_layers[0].k.element_size() if self.cache.mtp_layers else dtype.itemsize
             )
-            costs = ModelBytes.of(model, kv_itemsize, slot_bytes(model.config, dtype))
+            costs = ModelBytes.of(model, kv_itemsize, slot_bytes(model.config, dtype, states))
             policy = SpeculationPolicy(StepCost(costs, device_costs(device)), k, mode.verify_seqs)
         self.runner = ModelRunner(
             model, self.cache, plan, k, drafter, mtp_hidden, decode_graphs, policy, mtp_graphs

@@ -64,6 +64,7 @@ def demo_config(vocab_size: int) -> dict:
         "linear_key_head_dim": 16,
         "linear_value_head_dim": 16,
         "linear_conv_kernel_dim": 4,
+        "mamba_ssm_dtype": "float32",
         "num_experts": 8,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 64,

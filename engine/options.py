@@ -29,6 +29,7 @@ MTP_HIDDEN = ("normed", "raw")
 DRAFT_HEADS = ("model", "fp8")
 QUANTIZATIONS = ("none", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
+STATE_DTYPES = ("auto", "float32", "bfloat16")
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 AUTO = "auto"  # the spelling of an unset (None) option in text
 
@@ -158,6 +159,15 @@ class CacheOptions(_Concern):
         "dtype of the attention layers' KV blocks: auto, the model's dtype; fp8, float8 e4m3 with an fp32 "
         "scale per position and kv head (about twice the positions in the same memory)",
         choices=KV_CACHE_DTYPES,
+    )
+    state_dtype: str = _option(
+        "choice",
+        "auto",
+        "dtype of the Gated DeltaNet layers' recurrent states: auto, the checkpoint's mamba_ssm_dtype "
+        "(float32 for Qwen3.5/3.6, and where it names none, as transformers keeps them); bfloat16 halves "
+        "their bytes, which decode reads and writes every step (at batch 256 about 30 GB a step in float32), "
+        "at some accuracy: rounded after every token",
+        choices=STATE_DTYPES,
     )
 
 

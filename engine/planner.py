@@ -6,7 +6,9 @@ lone prefill's `long_prefill_chunk`). Elsewhere it is `kv_cache_memory` bytes (d
 first (every running sequence needs one, plus one per cached prefix and `k` verify scratch slots per
 sequence); the rest becomes KV blocks, capped at what `max_num_seqs` sequences of the full context could use.
 A block's bytes follow `kv_cache_dtype`: an FP8 block (e4m3 and its scales) is about half a bf16 one, so the
-same budget holds about twice the blocks, hence twice the context or twice the sequences.
+same budget holds about twice the blocks, hence twice the context or twice the sequences. A slot's bytes
+follow `state_dtype`: recurrent states in bf16 are half of the fp32 ones (60 MiB a sequence at
+Qwen3.5-35B-A3B's geometry), so about twice the sequences fit in STATE_SHARE.
 
 `max_num_seqs` left to the engine is sized from the same budget on CUDA (`affordable_seqs`) and fixed at
 `CPU_MAX_NUM_SEQS` elsewhere, so runs on the CPU stay deterministic.
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache import block_bytes, kv_cache_dtype, slot_bytes
+from engine.cache import block_bytes, kv_cache_dtype, slot_bytes, state_dtype
 from engine.config import ModelConfig
 from engine.errors import EngineError
 from engine.options import EngineOptions
@@ -146,6 +148,7 @@ def plan_for(
         block_size=block_size_for(cache.block_size, device),
         max_prefixes=cache.max_prefixes,
         kv_dtype=kv_cache_dtype(cache.kv_cache_dtype, dtype),
+        state_dtype=state_dtype(cache.state_dtype, config),
         verify_seqs=verify_seqs,
     )
     if max_num_seqs is None:
@@ -166,11 +169,12 @@ def plan_cache(
     block_size: int = 16,
     max_prefixes: int = 4,
     kv_dtype: torch.dtype | None = None,
+    state_dtype: torch.dtype = torch.float32,
     verify_seqs: int | None = None,
 ) -> CachePlan:
     """Slots and KV blocks (of `kv_dtype`, default `dtype`) for `max_num_seqs` sequences in the budget;
     verify scratch slots for `verify_seqs` of them (None: all)."""
-    per_slot = slot_bytes(config, dtype)
+    per_slot = slot_bytes(config, dtype, state_dtype)
     per_block = block_bytes(config, kv_dtype or dtype, block_size, num_mtp_layers)
     slots = max_num_seqs + max_prefixes
     scratch = min(max_num_seqs, verify_seqs or max_num_seqs) * num_speculative_tokens
@@ -200,6 +204,7 @@ def affordable_seqs(
     max_prefixes: int = 4,
     cap: int = MAX_AUTO_SEQS,
     kv_dtype: torch.dtype | None = None,
+    state_dtype: torch.dtype = torch.float32,
     verify_seqs: int | None = None,
 ) -> int:
     """`max_num_seqs` sized from the budget: as many sequences as fit with their state and verify scratch
@@ -207,7 +212,7 @@ def affordable_seqs(
     (short contexts); fewer when the KV blocks left would not hold one sequence of `max_model_len` positions
     (a 1M-token context's 20 GiB) and fewer slots let them; at most `cap`, at least 1 (`plan_cache` then
     says when even that does not fit)."""
-    one_slot = slot_bytes(config, dtype)
+    one_slot = slot_bytes(config, dtype, state_dtype)
     # Verify scratch: k slots per sequence, or (adaptive speculation) for `verify_seqs` sequences at most.
     per_slot = one_slot * (1 + (0 if verify_seqs else num_speculative_tokens))
     per_block = block_bytes(config, kv_dtype or dtype, block_size, num_mtp_layers)

@@ -67,7 +67,7 @@ from engine.errors import EngineError
 from engine.grammar import FILL_POOL, FILL_POOLS, FILL_THREADS
 from engine.model.fp8_linear import quantize_model_
 from engine.model.model import CausalLM
-from engine.options import DRAFT_HEADS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineOptions
+from engine.options import DRAFT_HEADS, KV_CACHE_DTYPES, QUANTIZATIONS, STATE_DTYPES, EngineOptions
 from engine.planner import block_size_for
 
 log = logging.getLogger(__name__)
@@ -142,6 +142,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warm_up=args.warm_up,
         long_prefill_chunk=args.long_prefill_chunk,
         kv_cache_dtype=args.kv_cache_dtype,
+        state_dtype=args.state_dtype,
         speculative=args.speculative,
         block_size=args.block_size,
         draft_head=args.draft_head,
@@ -189,6 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": str(dtype).removeprefix("torch."),
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "state_dtype": args.state_dtype,
         "geometry": geometry(config),
         "rope": f"{config.rope.rope_type} x{config.rope.factor:g}, window {config.max_model_len:,}",
         "params": param_summary(counts),
@@ -304,6 +306,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=_doc("kv_cache_dtype")
     )
+    parser.add_argument("--state-dtype", choices=STATE_DTYPES, default="auto", help=_doc("state_dtype"))
     parser.add_argument("--block-size", type=int, help=_doc("block_size"))
     parser.add_argument("--draft-head", choices=DRAFT_HEADS, default="model", help=_doc("draft_head"))
     parser.add_argument(

@@ -14,7 +14,7 @@ from engine.async_core import build_core
 from engine.bench.device import sync, wall_time
 from engine.bench.settings import WARMUP_STEPS, Settings, Sizes
 from engine.bench.traffic import ParamCounts, roofline, step_bytes
-from engine.cache import kv_cache_dtype
+from engine.cache import kv_cache_dtype, state_dtype
 from engine.config import ModelConfig
 from engine.core import EngineCore
 from engine.model.model import CausalLM
@@ -48,6 +48,11 @@ class Bench:
         """The KV cache's dtype (`--kv-cache-dtype`): the model's, or e4m3."""
         return kv_cache_dtype(self.settings.kv_cache_dtype, self.dtype)
 
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """The DeltaNet recurrent states' dtype (`--state-dtype`): the config's `mamba_ssm_dtype`, or bf16."""
+        return state_dtype(self.settings.state_dtype, self.config)
+
     def options(self, **flat: object) -> EngineOptions:
         """The run's engine options (its batch budget, block size, no shared prefixes), with `flat` set."""
         base = {
@@ -59,6 +64,7 @@ class Bench:
             "draft_head": self.settings.draft_head,
             "max_prefixes": 0,
             "kv_cache_dtype": self.settings.kv_cache_dtype,
+            "state_dtype": self.settings.state_dtype,
         }
         return EngineOptions.from_flat(base | flat)
 
@@ -228,7 +234,13 @@ def decode_point(
     point |= run
     if run["decode_steps"]:
         bytes_ = step_bytes(
-            b.counts, b.config, b.dtype, seqs=run["batch"], context=run["mean_context"], kv_dtype=b.kv_dtype
+            b.counts,
+            b.config,
+            b.dtype,
+            seqs=run["batch"],
+            context=run["mean_context"],
+            kv_dtype=b.kv_dtype,
+            state_dtype=b.state_dtype,
         )
         point |= roofline(bytes_, run["batch"], run["tokens_per_s"], b.bandwidth)
     return point

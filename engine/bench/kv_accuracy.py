@@ -1,13 +1,16 @@
-"""How far an FP8 KV cache moves the model's outputs from a cache in the model's dtype (issue 19, item 2).
+"""How far a narrower cache moves the model's outputs from the full one: an FP8 KV cache (issue 19, item 2),
+or bf16 recurrent states rather than fp32 ones (issue 13).
 
     python -m engine.bench.kv_accuracy [--preset tiny | --preset qwen3.5-35b-a3b | --model PATH]
         [--seqs 8] [--prompt-len 512] [--tokens 256] [--device cuda] [--dtype bfloat16] [--json PATH]
+        [--kv-cache-dtype fp8|auto] [--state-dtype auto|float32|bfloat16]
 
 Three runs step in lockstep over the same random prompts, each with its own cache: the baseline (KV in the
-model's dtype) decodes greedily; a teacher-forced FP8 run is fed the baseline's tokens, so at every step
-both see the same inputs and their logits compare directly (max and mean absolute error, and whether the
-top-1 token agrees: `greedy_agreement`); a free-running FP8 run decodes its own tokens, and
-`first_divergence` says how many of them matched the baseline's before the first difference. Each step's
+model's dtype, fp32 recurrent states) decodes greedily; a teacher-forced run with the cache under test
+(default: FP8 KV, fp32 states) is fed the baseline's tokens, so at every step both see the same inputs and
+their logits compare directly (max and mean absolute error, and whether the top-1 token agrees:
+`greedy_agreement`); a free-running run with that cache decodes its own tokens, and `first_divergence` says
+how many of them matched the baseline's before the first difference. Each step's
 largest error is kept too: its median and 99th percentile show the typical step, while the max is often
 one step where the perturbation flipped a token's top-k experts (an O(1) jump, as any perturbation can
 cause; measured on the demo model, issue 19). The model is called directly (prefill of every prompt, then
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cache import ModelCache, kv_cache_dtype
+from engine.cache import ModelCache, kv_cache_dtype, state_dtype
 from engine.kernels import SeqLayout
 from engine.model.model import CausalLM
 
@@ -35,7 +38,7 @@ BLOCK_SIZE = 16
 
 @dataclass(frozen=True)
 class KvAccuracy:
-    """FP8 KV cache against the baseline cache over `seqs` sequences of `tokens` greedy steps."""
+    """The cache under test against the baseline cache over `seqs` sequences of `tokens` greedy steps."""
 
     seqs: int
     prompt_len: int
@@ -58,12 +61,21 @@ class KvAccuracy:
 class _Run:
     """One cache and its sequences' positions, stepped by `step`."""
 
-    def __init__(self, model: CausalLM, seqs: int, capacity: int, kv_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        seqs: int,
+        capacity: int,
+        kv_dtype: torch.dtype,
+        states: torch.dtype = torch.float32,
+    ) -> None:
         per_seq = -(-capacity // BLOCK_SIZE)
         dtype = model.model.embed_tokens.weight.dtype
         device = model.inv_freq.device
         self.model = model
-        self.cache = ModelCache(model.config, seqs, seqs * per_seq, BLOCK_SIZE, device, dtype, 0, kv_dtype)
+        self.cache = ModelCache(
+            model.config, seqs, seqs * per_seq, BLOCK_SIZE, device, dtype, 0, kv_dtype, states
+        )
         self.tables = tuple(tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(seqs))
         self.context = 0
 
@@ -78,15 +90,18 @@ class _Run:
         return self.model.logits(self.model.final_norm(last))
 
 
-def measure(model: CausalLM, prompts: torch.Tensor, tokens: int, kv: str = "fp8") -> KvAccuracy:
-    """Compare the `kv` cache (an option value of `kv_cache_dtype`) with the model's dtype over `tokens`
-    greedy steps after the prompts [B, P] (token ids on the model's device)."""
+def measure(
+    model: CausalLM, prompts: torch.Tensor, tokens: int, kv: str = "fp8", state: str = "auto"
+) -> KvAccuracy:
+    """Compare the cache of option values `kv` (`kv_cache_dtype`) and `state` (`state_dtype`) with KV in the
+    model's dtype and fp32 states over `tokens` greedy steps after the prompts [B, P] (token ids on the
+    model's device)."""
     dtype = model.model.embed_tokens.weight.dtype
     seqs, prompt_len = prompts.shape
     capacity = prompt_len + tokens
-    base, forced, free = (
-        _Run(model, seqs, capacity, d) for d in (dtype, kv_cache_dtype(kv, dtype), kv_cache_dtype(kv, dtype))
-    )
+    test = (kv_cache_dtype(kv, dtype), state_dtype(state, model.config))
+    base = _Run(model, seqs, capacity, dtype)
+    forced, free = (_Run(model, seqs, capacity, *test) for _ in range(2))
     ref, got, own = base.step(prompts), forced.step(prompts), free.step(prompts)
     agree = torch.zeros(seqs, dtype=torch.long, device=prompts.device)
     diverged = torch.full((seqs,), tokens, dtype=torch.long, device=prompts.device)
@@ -158,6 +173,7 @@ def table(result: KvAccuracy) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from engine.bench.presets import PRESETS
     from engine.bench.settings import DTYPES
+    from engine.options import KV_CACHE_DTYPES, STATE_DTYPES
 
     parser = argparse.ArgumentParser(
         prog="python -m engine.bench.kv_accuracy", description=__doc__.split("\n")[0]
@@ -171,6 +187,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", help="default: cuda when available")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on cuda, else float32")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="fp8", help="of the cache under test"
+    )
+    parser.add_argument(
+        "--state-dtype",
+        choices=STATE_DTYPES,
+        default="auto",
+        help="of the cache under test's recurrent states (the baseline's are fp32)",
+    )
     parser.add_argument("--json", default="", help="write the result here as JSON")
     args = parser.parse_args(argv)
     args.quantization = "none"
@@ -189,11 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     model, config, _ = load(args, device, dtype)
     g = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, config.vocab_size, (args.seqs, args.prompt_len), generator=g).to(device)
-    result = measure(model, prompts, args.tokens)
+    result = measure(model, prompts, args.tokens, args.kv_cache_dtype, args.state_dtype)
     print(table(result))
     if args.json:
         source = args.model or f"preset {args.preset} (random weights, seed {args.seed})"
-        report = {"source": source, "device": str(device), "dtype": str(dtype), **asdict(result)}
+        tested = {"kv_cache_dtype": args.kv_cache_dtype, "state_dtype": args.state_dtype}
+        report = {"source": source, "device": str(device), "dtype": str(dtype), **tested, **asdict(result)}
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

@@ -34,6 +34,7 @@ QWEN35_35B_A3B: dict[str, Any] = {
     "linear_key_head_dim": 128,
     "linear_value_head_dim": 128,
     "linear_conv_kernel_dim": 4,
+    "mamba_ssm_dtype": "float32",
     "num_experts": 256,
     "num_experts_per_tok": 8,
     "moe_intermediate_size": 512,

@@ -178,7 +178,7 @@ def served(b: Bench, shape: Served, max_num_seqs: int | None, kv_cache_bytes: in
         bytes_ = StepBytes(
             weights=stats.steps * b.counts.active_bytes(computed / stats.steps, b.dtype.itemsize),
             kv=(stats.generated_tokens * (prompt_len + new / 2) + stats.prompt_tokens) * kv_position,
-            state=(stats.generated_tokens + n) * 2 * slot_bytes(b.config, b.dtype),
+            state=(stats.generated_tokens + n) * 2 * slot_bytes(b.config, b.dtype, b.state_dtype),
         )
         point |= roofline(bytes_, computed, computed / wall, b.bandwidth)
     point["note"] = (

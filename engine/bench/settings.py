@@ -85,6 +85,7 @@ class Settings:
     warm_up: bool | None = None  # the serving engines' warm_up option; None: the engine's default
     long_prefill_chunk: int | None = None  # the engine option; None: the engine's default (32,768 on cuda)
     kv_cache_dtype: str = "auto"  # every workload's engine option (auto: the model's dtype; fp8)
+    state_dtype: str = "auto"  # every workload's engine option (auto: the config's mamba_ssm_dtype; bfloat16)
     speculative: bool = False  # (b) also decodes each batch with controlled-acceptance speculation
     block_size: int | None = None  # the engines' KV block size (positions per block); None: the engine's
     draft_head: str = "model"  # the engines' `draft_head` option: the lm_head MTP drafts are scored with

@@ -136,17 +136,18 @@ def step_bytes(
     context: float = 0.0,
     state_writes: int = 1,
     kv_dtype: torch.dtype | None = None,
+    state_dtype: torch.dtype = torch.float32,
 ) -> StepBytes:
     """One step of `seqs` sequences, each adding `tokens_per_seq` tokens after `context` cached positions:
     the weights those tokens touch, the KV of every position attended (read) or added (written), and each
     sequence's DeltaNet state read once and written `state_writes` times (k+1 for an MTP verify step). KV
-    positions are of `kv_dtype` (default `dtype`; an FP8 one's scales included)."""
+    positions are of `kv_dtype` (default `dtype`; an FP8 one's scales included), states of `state_dtype`."""
     tokens = seqs * tokens_per_seq
     kv_per_position = block_bytes(config, kv_dtype or dtype, 1, 0)
     return StepBytes(
         weights=counts.active_bytes(tokens, dtype.itemsize),
         kv=seqs * (context + tokens_per_seq) * kv_per_position,
-        state=seqs * (1 + state_writes) * slot_bytes(config, dtype),
+        state=seqs * (1 + state_writes) * slot_bytes(config, dtype, state_dtype),
     )
 
 
@@ -159,6 +160,7 @@ def prefill_bytes(
     prompt_len: int,
     chunk: int,
     kv_dtype: torch.dtype | None = None,
+    state_dtype: torch.dtype = torch.float32,
 ) -> StepBytes:
     """All of a prefill of `seqs` prompts in steps of at most `chunk` tokens (an estimate: each step reads
     the weights its tokens touch once; chunk j of a prompt reads the j * chunk positions before it)."""
@@ -170,7 +172,7 @@ def prefill_bytes(
     return StepBytes(
         weights=steps * counts.active_bytes(tokens / steps, dtype.itemsize),
         kv=positions * block_bytes(config, kv_dtype or dtype, 1, 0),
-        state=seqs * chunks * 2 * slot_bytes(config, dtype),
+        state=seqs * chunks * 2 * slot_bytes(config, dtype, state_dtype),
     )
 
 

@@ -102,6 +102,7 @@ def prefill(b: Bench) -> list[dict[str, Any]]:
             prompt_len=length,
             chunk=b.settings.max_num_batched_tokens,
             kv_dtype=b.kv_dtype,
+            state_dtype=b.state_dtype,
         )
         point |= roofline(bytes_, n * length, tokens_per_s, b.bandwidth)
         if spent:
@@ -182,7 +183,14 @@ def _long_context(b: Bench, length: int, wanted: int) -> list[dict[str, Any]]:
         point |= {"chunk": chunk, "capped": not done}
         point |= long_prefill_flops(b, length, spent)
         bytes_ = prefill_bytes(
-            b.counts, b.config, b.dtype, seqs=1, prompt_len=length, chunk=chunk, kv_dtype=b.kv_dtype
+            b.counts,
+            b.config,
+            b.dtype,
+            seqs=1,
+            prompt_len=length,
+            chunk=chunk,
+            kv_dtype=b.kv_dtype,
+            state_dtype=b.state_dtype,
         )
         point["note"] = f"prefill {spent:.1f} s in {steps} steps" + ("" if done else " (time cap)")
         if spent:
@@ -202,7 +210,13 @@ def _long_context(b: Bench, length: int, wanted: int) -> list[dict[str, Any]]:
         if run["decode_steps"]:
             # The roofline counts the KV cache each step reads (20 KiB a position on Qwen3.5/3.6 in bf16).
             bytes_ = step_bytes(
-                b.counts, b.config, b.dtype, seqs=1, context=run["mean_context"], kv_dtype=b.kv_dtype
+                b.counts,
+                b.config,
+                b.dtype,
+                seqs=1,
+                context=run["mean_context"],
+                kv_dtype=b.kv_dtype,
+                state_dtype=b.state_dtype,
             )
             run |= roofline(bytes_, 1, run["tokens_per_s"], b.bandwidth)
             run["note"] = f"{run['ms_per_step']:.1f} ms/step at context {run['mean_context']:,.0f}"
@@ -246,6 +260,7 @@ def mtp_verify(b: Bench) -> list[dict[str, Any]]:
                 context=run["mean_context"],
                 state_writes=k + 1,
                 kv_dtype=b.kv_dtype,
+                state_dtype=b.state_dtype,
             )
             run["step_bytes"] = bytes_.total
             tokens_per_step = run["decode_tokens"] / run["decode_steps"]
@@ -277,7 +292,7 @@ def mtp_verify(b: Bench) -> list[dict[str, Any]]:
             mtp["drafting_ms_per_step"] = mtp["ms_per_step"] - verify["ms_per_step"]
             mtp["note"] += f"; drafting {mtp['drafting_ms_per_step']:.2f} ms"
     if b.model.mtp is not None:  # the step-cost table's row these measurements give (engine/spec_costs.json)
-        model_bytes = ModelBytes.of(b.model, b.dtype.itemsize, slot_bytes(b.config, b.dtype))
+        model_bytes = ModelBytes.of(b.model, b.dtype.itemsize, slot_bytes(b.config, b.dtype, b.state_dtype))
         row = fit_costs(points, StepCost(model_bytes, DeviceCosts(b.bandwidth)))
         if row is not None:
             note = ", ".join(f"{k} {row[k] * 1e3:.3f} ms" for k in ("step_s", "verify_s", "draft_s"))

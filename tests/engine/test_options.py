@@ -41,6 +41,7 @@ ENGINE_OPTIONS = {  # what Engine took as keywords before the options existed: e
     "dtype",
     "quantization",
     "kv_cache_dtype",  # issue 19
+    "state_dtype",  # issue 13
     "draft_head",  # issue 18
 }
 

@@ -36,7 +36,8 @@ def deltanet_step(
         conv_weight: [C, K] depthwise filter.
         conv_state: [S, C, K-1] last K-1 inputs per slot; read when a sequence has context, then updated.
         a_log, dt_bias: [Hv] log decay rate and decay time-step bias.
-        recurrent_state: [S, Hv, dk, dv] fp32 delta-rule state per slot, updated in place.
+        recurrent_state: [S, Hv, dk, dv] delta-rule state per slot, updated in place: fp32, or a 16-bit
+            dtype the recurrence rounds to after every token.
         norm_weight: [dv] gated RMSNorm weight; eps its epsilon.
         layout: where each sequence's tokens, slot and per-token state slots (`state_out`) are.
     Returns:

@@ -168,7 +168,7 @@ def _deltanet_step_kernel(
     conv_state,  # [S, C, K-1]
     a_log,  # [HV]
     dt_bias,  # [HV]
-    state,  # [S, HV, DK, DV] fp32
+    state,  # [S, HV, DK, DV] fp32, or the model's dtype (rounded after every token)
     norm_weight,  # [DV]
     out,  # [T, HV * DV], contiguous
     seqs,  # [N, 4] int32: start, length, slot, has context
@@ -228,6 +228,7 @@ def _deltanet_step_kernel(
     # scalar conditions enter masks as row bounds (the interpreter rejects `tensor & scalar`).
     p_s = state + i_h * stride_sh + o_k[:, None] * stride_sk + o_v[None, :] * stride_sv  # [BK, BV]
     b_s = tl.load(p_s + slot * stride_ss, mask=(o_k[:, None] < has_context * DK) & m_v[None, :], other=0.0)
+    b_s = b_s.to(tl.float32)
 
     # Gates, as deltanet_gate: beta rounded to b's dtype, the log decay in fp32 (softplus stable for
     # large and tiny arguments, passing through above 20 as torch's does).
@@ -304,7 +305,9 @@ def _deltanet_step_kernel(
             z_t = tl.sum(tl.where(sel[:, None], b_z, 0.0), axis=0)  # [BV]
         b_s = b_s * tl.exp(tl.sum(tl.where(sel, b_g, 0.0)))
         delta = tl.sum(tl.where(sel, b_beta, 0.0)) * (v_t - tl.sum(b_s * k_t[:, None], axis=0))  # [BV]
-        b_s = b_s + k_t[:, None] * delta[None, :]
+        # The state as stored (a no-op for fp32 states): a verify step's later tokens see what a decode
+        # step would read back, so speculation leaves greedy output unchanged.
+        b_s = (b_s + k_t[:, None] * delta[None, :]).to(state.dtype.element_ty).to(tl.float32)
         d_t = tl.sum(tl.where(sel, dest, 0))
         m_w = (o_k[:, None] < tl.where(d_t >= 0, DK, 0)) & m_v[None, :]
         tl.store(p_s + tl.maximum(d_t, 0) * stride_ss, b_s, mask=m_w)

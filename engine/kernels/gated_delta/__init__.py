@@ -29,7 +29,8 @@ def gated_delta_rule(
         v: [T, Hv, dv] values; value head j uses key head j // (Hv // Hk).
         g: [T, Hv] log decay (<= 0), fp32.
         beta: [T, Hv] write strength in (0, 1).
-        state: [S, Hv, dk, dv] fp32 recurrent state per slot, updated in place.
+        state: [S, Hv, dk, dv] recurrent state per slot, updated in place: fp32, or a 16-bit dtype the
+            recurrence rounds to after every token (a long sequence's chunked form once, at the end).
         layout: where each sequence's tokens and slot are.
     Returns:
         [T, Hv, dv] in v's dtype.

@@ -26,7 +26,8 @@ def gated_delta_rule(
     state: torch.Tensor,
     layout: SeqLayout,
 ) -> torch.Tensor:
-    # q, k [T, Hk, dk]; v [T, Hv, dv]; g, beta [T, Hv]; state [S, Hv, dk, dv] (fp32), updated in place.
+    # q, k [T, Hk, dk]; v [T, Hv, dv]; g, beta [T, Hv]; state [S, Hv, dk, dv], updated in place: fp32, or a
+    # 16-bit dtype the recurrence rounds to after every token (the chunked form once, at the end).
     ratio = v.shape[1] // q.shape[1]
     scale = q.shape[-1] ** -0.5
     # Value head j reads key head j // ratio.
@@ -62,7 +63,7 @@ def _short(q, k, v, g, beta, state, layout: SeqLayout, out: torch.Tensor) -> Non
     for j in range(n_max):
         live = j < lens  # [B]
         idx = torch.where(live, starts + j, starts)  # padding rows re-read a real token, then are dropped
-        o, stepped = recurrent_step(q[idx], k[idx], v[idx], g[idx], beta[idx], s)
+        o, stepped = recurrent_step(q[idx], k[idx], v[idx], g[idx], beta[idx], s, state.dtype)
         s = torch.where(live[:, None, None, None], stepped, s)
         out[idx[live]] = o[live].to(out.dtype)
         if keep.any():
@@ -79,12 +80,13 @@ def _short(q, k, v, g, beta, state, layout: SeqLayout, out: torch.Tensor) -> Non
     state[slots[final]] = s[final].to(state.dtype)
 
 
-def recurrent_step(q, k, v, g, beta, s):
-    """One token for a batch of sequences: q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H]; s [B, H, dk, dv]."""
+def recurrent_step(q, k, v, g, beta, s, stored: torch.dtype = torch.float32):
+    """One token for a batch of sequences: q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H]; s [B, H, dk, dv]
+    fp32, rounded to the `stored` dtype after the update (the state as a cache of that dtype holds it)."""
     s = s * g.exp()[..., None, None]
     predicted = torch.einsum("bhk,bhkv->bhv", k, s)
     delta = (v - predicted) * beta[..., None]
-    s = s + k[..., :, None] * delta[..., None, :]
+    s = (s + k[..., :, None] * delta[..., None, :]).to(stored).to(s.dtype)
     return torch.einsum("bhk,bhkv->bhv", q, s), s
 
 
