@@ -201,12 +201,15 @@ def deltanet_proj_out(t: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     return empty(t, sum(sizes), dtype=dtype).split(sizes, -1)
 
 
-def deltanet_state(slots: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """conv [S, conv_dim, K-1] in the model dtype, recurrent [S, Hv, dk, dv] fp32."""
+def deltanet_state(
+    slots: int, dtype: torch.dtype, state: torch.dtype = FP32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """conv [S, conv_dim, K-1] in the model dtype, recurrent [S, Hv, dk, dv] in `state` (fp32, or bf16 with
+    `state_dtype="bfloat16"`)."""
     c = qwen()
     conv = empty(slots, c.linear_conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype)
     hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-    return conv, empty(slots, hv, dk, dv, dtype=FP32)
+    return conv, empty(slots, hv, dk, dv, dtype=state)
 
 
 def conv1d() -> None:
@@ -234,12 +237,17 @@ def deltanet_gate() -> None:
 
 
 def deltanet_step_call(
-    dtype: torch.dtype, seqs: int, n: int, v_splits: int | None = None, gate_dtype: torch.dtype | None = None
+    dtype: torch.dtype,
+    seqs: int,
+    n: int,
+    v_splits: int | None = None,
+    gate_dtype: torch.dtype | None = None,
+    state_dtype: torch.dtype = FP32,
 ) -> None:
     c = qwen()
     lay = layout((n,) * seqs, (10,) * seqs, state_out=n > 1)
     qkv, z, b, a = deltanet_proj_out(lay.num_tokens, dtype)
-    conv, state = deltanet_state(lay.num_tokens + seqs, dtype)
+    conv, state = deltanet_state(lay.num_tokens + seqs, dtype, state_dtype)
     hv = c.linear_num_value_heads
     weights = (empty(c.linear_conv_dim, c.linear_conv_kernel_dim, dtype=dtype), conv)
     gates = (empty(hv, dtype=gate_dtype or dtype), empty(hv, dtype=gate_dtype or dtype))
@@ -261,15 +269,17 @@ def deltanet_step() -> None:
     deltanet_step_call(BF16, 8, 1, gate_dtype=FP32)  # A_log and dt_bias kept in fp32
     for seqs in (1, 8):
         deltanet_step_call(FP32, seqs, 4)
+    for n in (1, 4):  # bf16 recurrent states (state_dtype="bfloat16"): decode and verify
+        deltanet_step_call(BF16, 8, n, state_dtype=BF16)
 
 
-def gated_delta_call(dtype: torch.dtype, lay: SeqLayout) -> None:
+def gated_delta_call(dtype: torch.dtype, lay: SeqLayout, state_dtype: torch.dtype = FP32) -> None:
     c = qwen()
     t, hk, hv = lay.num_tokens, c.linear_num_key_heads, c.linear_num_value_heads
     dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
     q, k, v = empty(t, c.linear_conv_dim, dtype=dtype).split((hk * dk, hk * dk, hv * dv), -1)  # conv output
     g, beta = empty(t, hv, dtype=FP32), empty(t, hv, dtype=dtype)
-    state = deltanet_state(t + lay.num_seqs, dtype)[1]
+    state = deltanet_state(t + lay.num_seqs, dtype, state_dtype)[1]
     kernels.gated_delta_rule(q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv), g, beta, state, lay)
 
 
@@ -281,6 +291,9 @@ def gated_delta() -> None:
     for seqs in (1, 2, 3):
         gated_delta_call(BF16, layout((100,) * seqs, (10,) * seqs))
     gated_delta_call(FP32, layout((100,) * 3, (10,) * 3))
+    # bf16 recurrent states: recurrent (with per-token states) and chunked
+    gated_delta_call(BF16, layout((4,) * 16, (10,) * 16, state_out=True), BF16)
+    gated_delta_call(BF16, layout((100,) * 3, (10,) * 3), BF16)
 
 
 # ---------------------------------------------------------------------------------------------------------
