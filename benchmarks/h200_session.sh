@@ -6,6 +6,7 @@
 #   STEPS="micro profile" ...   kernel microbenchmarks (benchmarks/kernels_*.py) and one-step profiles
 #   STEPS="attention" ...       prefill attention kernels against flash SDPA (attention_prefill.{txt,json})
 #   STEPS="verify" ...          issue 18: verify-step profiles, 2-4-row projections (then (f) in another call)
+#   STEPS="state" ...           issue 13: bf16 recurrent states' gpu tests and accuracy against fp32 states
 # Each step's time limit has an environment override (GPU_TESTS_LIMIT, KV_TESTS_LIMIT, BENCH_LIMIT, ...), and
 # GPU_TESTS_PATHS narrows the gpu tests, so one call fits under the device's 10 minutes.
 # Writes under $OUT: gpu.txt (GPU and stack), kernels.txt (kernel tests compiled on the GPU), gpu_tests.txt
@@ -100,6 +101,15 @@ for step in $STEPS; do
         tests/engine/kernels/test_attention_fp8_kv.py tests/engine/test_fp8_kv_cache.py
       run kv_fp8_accuracy "${KV_LIMIT:-300}" python -m engine.bench.kv_accuracy --preset qwen3.5-35b-a3b \
         --seqs 8 --prompt-len 512 --tokens 256 --json "$OUT/kv_fp8_accuracy.json" ;;
+    state)  # issue 13: bf16 recurrent states (--state-dtype bfloat16): the DeltaNet kernels' gpu tests with
+      # both state dtypes (and the FP8 cuBLAS bound not yet run on a GPU), then greedy agreement and logit
+      # error against fp32 states over 256 tokens on the random-weight preset; benches: STEPS=bench ... --state-dtype bfloat16
+      run state_tests "${STATE_TESTS_LIMIT:-180}" python -m pytest -q -p no:cacheprovider $CUT -m gpu \
+        tests/engine/kernels/test_state_dtype.py tests/engine/kernels/test_gated_delta_triton.py \
+        tests/engine/kernels/test_deltanet_step_triton.py tests/engine/kernels/test_fp8_cublas.py
+      run state_accuracy "${STATE_LIMIT:-240}" python -m engine.bench.kv_accuracy --preset qwen3.5-35b-a3b \
+        --seqs 8 --prompt-len 512 --tokens 256 --kv-cache-dtype auto --state-dtype bfloat16 \
+        --json "$OUT/state_accuracy.json" ;;
     kv_diagnose)  # where kv_accuracy's bf16 baseline went NaN on the GPU (demo model), and the noise floor
       run kv_diagnose "${DIAGNOSE_LIMIT:-150}" python benchmarks/diagnose_kv_accuracy.py --tokens "${DIAGNOSE_TOKENS:-256}"
       # the same without programmatic dependent launch: kv_accuracy's decode steps launch eagerly, outside graphs

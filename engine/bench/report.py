@@ -112,6 +112,9 @@ def print_table(report: dict[str, Any]) -> None:
     print(
         f"{report['machine']} | torch {report['torch']} | triton {report['triton']} | {c['dtype']} | "
         f"commit {report['commit']} | {c['source']} | kernels {c['kernels']}"
+        + (f" | {c['quantization']} weights" if c.get("quantization", "none") != "none" else "")
+        + (f" | KV {c['kv_cache_dtype']}" if c.get("kv_cache_dtype", "auto") != "auto" else "")
+        + (f" | states {c['state_dtype']}" if c.get("state_dtype", "auto") != "auto" else "")
         + (" | quick" if c["quick"] else "")
     )
     print(
