@@ -149,3 +149,25 @@ def test_real_shapes_bf16_states_on_gpu(name):
     )
     torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=2e-2)
     torch.testing.assert_close(state.float(), ref_state.float(), equal_nan=True, rtol=3e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("v_splits", [1, 4])
+@pytest.mark.parametrize("name", ["decode8", "verify3"])
+def test_fused_step_real_shapes_bf16_states_on_gpu(name, v_splits):
+    """The fused step (the model's decode and verify path up to 8 sequences) with bf16 states against its
+    reference at Qwen3.5-35B-A3B's shapes, and its states after a verify step against sequential decode."""
+    from tests.engine.kernels.test_deltanet_step_triton import GPU_LAYOUTS, REAL
+
+    layout = GPU_LAYOUTS[name]
+    inputs, weights = step_inputs(layout.num_tokens, *REAL, 4, BF16, device="cuda")
+    conv, recurrent = start_states(layout, 180, *REAL, 4, BF16, device="cuda")
+    recurrent = recurrent.to(BF16)
+    ref_conv, ref_recurrent = conv.clone(), recurrent.clone()
+    ref = run(step_reference.deltanet_step, inputs, weights, ref_conv, ref_recurrent, layout)
+    out = run(lambda *a: fused.deltanet_step(*a, v_splits=v_splits), inputs, weights, conv, recurrent, layout)
+    assert recurrent.dtype == BF16 and not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2, atol=2e-2)
+    torch.testing.assert_close(conv, ref_conv, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(recurrent.float(), ref_recurrent.float(), equal_nan=True, rtol=3e-2, atol=2e-2)
