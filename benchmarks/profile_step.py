@@ -1,7 +1,7 @@
 """Where one engine step spends its time: torch.profiler over prefill and decode steps of a preset model.
 
     python benchmarks/profile_step.py [--preset qwen3.5-35b-a3b|tiny] [--out DIR] [--rows 25]
-        [--quantization fp8] [--cases prefill,decode1,decode64,mixed]
+        [--quantization fp8] [--state-dtype bfloat16] [--cases prefill,decode1,decode64,mixed]
 
 For each case (a prefill step of 2 x 4096 prompt tokens, decode steps at batch 1 and 64, and a mixed step of
 512 decoding sequences beside a whole step of prompt chunks, `mixed1` beside one 1,024-token prompt, as
@@ -37,13 +37,24 @@ from engine.model.fp8_linear import quantize_model_
 from engine.sequence import Sequence
 
 
-def build(preset: str, device: torch.device, dtype: torch.dtype, quantization: str = "none") -> Bench:
+def build(
+    preset: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str = "none",
+    state_dtype: str = "auto",
+) -> Bench:
     config = config_from_dict(PRESETS[preset](), source=f"preset {preset}")
     model = random_model(config, device, dtype, seed=0)
     if quantization == "fp8":  # the dense projections and routed experts in block FP8, as the bench does
         quantize_model_(model)
     settings = Settings(
-        max_seconds=60.0, kv_cache_bytes=8 * GIB, max_num_batched_tokens=8192, max_num_seqs=64, seed=0
+        max_seconds=60.0,
+        kv_cache_bytes=8 * GIB,
+        max_num_batched_tokens=8192,
+        max_num_seqs=64,
+        seed=0,
+        state_dtype=state_dtype,
     )
     counts = param_counts(config, quantization)
     return Bench(model, config, counts, device, dtype, QUICK, settings, 1.0, 1.0)
@@ -64,6 +75,8 @@ def case(b: Bench, name: str, batch: int, prompt: int, decode: bool, rows: int, 
             core.step()
         for _ in range(4):
             core.step()
+    if decode:  # how many sequences the profiled step decodes (all of them, unless the plan ran short)
+        print(f"{name}: {sum(not s.finished for s in seqs)} of {batch} sequences decoding", flush=True)
     if decode:  # one more step, timed without the profiler (a prefill step is timed by the profiled run)
         sync(b.device)
         start = time.perf_counter()
@@ -162,18 +175,20 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3.5-35b-a3b")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--rows", type=int, default=25)
-    # and decode512, mixed, mixed1, verify0-3 ((f)'s plain and verify steps, synchronous, at batch 1)
+    # and decode256, decode512, mixed, mixed1, verify0-3 ((f)'s plain and verify steps, synchronous, batch 1)
     parser.add_argument("--cases", default="prefill,decode1,decode64")
     parser.add_argument("--quantization", choices=("none", "fp8"), default="none")
+    parser.add_argument("--state-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    b = build(args.preset, device, dtype, args.quantization)
+    b = build(args.preset, device, dtype, args.quantization, args.state_dtype)
     small = args.preset == "tiny" or device.type == "cpu"
     plans = {
         "prefill": (2, 512 if small else 4096, False),
         "decode1": (1, 64 if small else 512, True),
         "decode64": (8 if small else 64, 64 if small else 512, True),
+        "decode256": (8 if small else 256, 64 if small else 512, True),  # (b, 256)'s steps
         "decode512": (8 if small else 512, 64 if small else 1024, True),  # (h)'s decode steps
     }
     summary = {}
