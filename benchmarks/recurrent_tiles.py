@@ -1,6 +1,6 @@
-"""Benchmark: the recurrent gated delta kernel's launch choices (dv tile BV, warps) for decode batches, with fp32
-and bf16 recurrent states (`state_dtype`), at Qwen3.5-35B-A3B's DeltaNet shape (16 key heads, 32 value heads,
-dk = dv = 128).
+"""Benchmark: the recurrent gated delta kernel's launch choices (dv tile BV, warps) for decode batches, with
+fp32 and bf16 recurrent states (`state_dtype`), at Qwen3.5-35B-A3B's DeltaNet shape (16 key heads, 32 value
+heads, dk = dv = 128).
 
     python benchmarks/recurrent_tiles.py [--batches 64,256,512] [--json PATH]
 
@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.kernels import SeqLayout  # noqa: E402
-from engine.kernels.gated_delta import triton as gd  # noqa: E402
+from engine.kernels import SeqLayout
+from engine.kernels.gated_delta import triton as gd
 
 HK, HV, DK, DV = 16, 32, 128, 128
 
@@ -60,9 +60,8 @@ def main() -> None:
                     s = measure(batch, dtype, bv, warps)
                     mark = "<- launcher" if (bv, warps) == chosen else ""
                     name = str(dtype).removeprefix("torch.")
-                    print(
-                        f"{batch:>5} {name:>8} {bv:>4} {warps:>5} {s * 1e6:>8.1f} {state_bytes / s / 1e12:>6.2f}  {mark}"
-                    )
+                    tbs = state_bytes / s / 1e12
+                    print(f"{batch:>5} {name:>8} {bv:>4} {warps:>5} {s * 1e6:>8.1f} {tbs:>6.2f}  {mark}")
                     rows.append(dict(batch=batch, state=name, bv=bv, warps=warps, s=s, launcher=bool(mark)))
     if args.json:
         Path(args.json).write_text(
