@@ -34,6 +34,8 @@ from engine.sequence import Sequence
 from engine.spec_policy import SpeculationMode, speculation_mode
 from engine.warmup import warm_up
 
+HOST_PHASES = ("schedule", "launch", "read", "finish", "other")
+
 
 def async_wanted(
     options: EngineOptions,
@@ -102,6 +104,11 @@ class AsyncEngineCore(EngineCore):
     ) -> None:
         super().__init__(model, plan, options, drafter, mode)
         self._pending: Deferred | None = None
+        # The host's seconds in each part of `step`, summed over steps (benchmarks read them; cheap to keep):
+        # schedule; launch (batching, uploads, graph replay or eager launches); read (the previous step's
+        # tokens: waits for the device when the host is ahead, then resolves placeholders and advances
+        # grammars); finish (penalties, grammar mask fills, sampling queued); the rest (defer, bookkeeping).
+        self.host_phases = dict.fromkeys(HOST_PHASES, 0.0)
 
     def has_work(self) -> bool:
         return super().has_work() or self._pending is not None
@@ -113,26 +120,42 @@ class AsyncEngineCore(EngineCore):
         out = self.scheduler.schedule()
         self.batch_size = len(out.scheduled)
         previous = self._pending
+        t_scheduled = time.perf_counter()
         launched = self._launch(out, previous.launched if previous else None, nonblocking=True)
+        t_launched = time.perf_counter()
         finished: list[Sequence] = []
         defer = launched is not None and self.runner.deferrable(launched)
         if defer:
             self._reserve(out, launched)
             finished += self.scheduler.update(out, [0] * len(out.scheduled))
             self.deferred_steps += 1
+        t_read = time.perf_counter()
         if previous is not None:  # its tokens, read while this step runs
             self._pending = None
             finished += self._read(previous, out)
+        t_finish = time.perf_counter()
         if launched is not None and launched.tokens is None:
             # Penalties and grammar masks follow the tokens just read: the host fills the masks now, while
             # the device runs this step's forward pass, then queues the sampling.
             launched = self._finish(out, launched)
+        t_finished = time.perf_counter()
         if defer:
             self._pending = Deferred(out, launched, self._readback(out, launched))
         else:
             finished += self._complete(out, launched)
         self._timed(start)
+        end = time.perf_counter()
+        phases = self.host_phases
+        phases["schedule"] += t_scheduled - start
+        phases["launch"] += t_launched - t_scheduled
+        phases["read"] += t_finish - t_read
+        phases["finish"] += t_finished - t_finish
+        phases["other"] += (t_read - t_launched) + (end - t_finished)
         return finished
+
+    def reset_counters(self) -> None:
+        super().reset_counters()
+        self.host_phases = dict.fromkeys(HOST_PHASES, 0.0)
 
     def _reserve(self, out: SchedulerOutput, launched: Launched) -> None:
         """Give each sequence that samples in a deferred step a placeholder for its token."""

@@ -234,6 +234,9 @@ def constrained(b: Bench) -> list[dict[str, Any]]:
             if fill:
                 fill_text = f"; mask fill {fill['mean_ms']:.2f} ms mean, {fill['max_ms']:.1f} max"
                 fill_text += f" on {fill['threads']} threads ({fill['pool']})"
+            host = held.get("host_ms_per_step")
+            if host:  # where the held run's host time goes: a host-bound step is their sum
+                fill_text += "; host " + ", ".join(f"{k} {v:.1f}" for k, v in host.items()) + " ms/step"
             overhead = held["ms_per_step"] / replay["ms_per_step"] - 1
             plain_ms = plain.get("ms_per_step")
             plain_text = f"; plain (other tokens) {plain_ms:.1f}" if plain_ms else ""

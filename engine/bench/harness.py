@@ -174,6 +174,7 @@ class Bench:
         batch = len(live)
         context = statistics.fmean(s.num_computed for s in live) if live else None
         sync(self.device)
+        phases = dict(getattr(core, "host_phases", {}))  # asynchronous cores time the host's parts of a step
         start, before, done = time.perf_counter(), core.generated_tokens, 0
         while done < steps and live and time.perf_counter() < deadline:
             core.step()
@@ -186,9 +187,15 @@ class Bench:
         ended = [s.num_computed for s in seqs if not s.finished]
         if context is not None and ended:
             context = (context + statistics.fmean(ended)) / 2
+        host_ms = {
+            name: 1e3 * (seconds - phases[name]) / done
+            for name, seconds in getattr(core, "host_phases", {}).items()
+            if done and name in phases
+        }
         return {
             "decode_steps": done,
             "warmup_steps": warmup,
+            "host_ms_per_step": host_ms or None,  # schedule, launch, read, finish, other (async cores)
             "decode_s": spent,
             "ms_per_step": 1e3 * spent / done if done else None,
             "tokens_per_s": tokens / spent if spent else None,

@@ -254,3 +254,18 @@ def test_a_grammar_after_its_reasoning_block_is_deferred_and_equal_sync(tmp_path
                 assert e.core.deferred_steps > 0
     assert outs[True] == outs[False]
     assert any(o[2] is not None and o[3] == "stop" for o in outs[True])  # a block closed, then an answer
+
+
+def test_host_phases_add_up_to_the_steps_host_time(demo_dir):
+    """The asynchronous core times the host's parts of each step (benchmarks report them per step): every
+    part is counted, none twice, so they sum to the steps' busy time; the counters reset with the others."""
+    prompts = prompts_for(demo_dir, count=4)
+    with engine(demo_dir, True) as e:
+        e.generate(prompts, GREEDY)
+        core = e.core
+        phases = core.host_phases
+        assert set(phases) == {"schedule", "launch", "read", "finish", "other"}
+        assert all(v >= 0.0 for v in phases.values()) and phases["launch"] > 0.0 and phases["read"] > 0.0
+        assert sum(phases.values()) == pytest.approx(core.busy_s, rel=0.05)
+        core.reset_counters()
+        assert sum(core.host_phases.values()) == 0.0

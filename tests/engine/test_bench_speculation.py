@@ -188,3 +188,21 @@ def test_batch_decode_speculative_rows(tmp_path):
         point = points[f"batch 3 e2e AL {length} k={k}"]
         assert point["batch"] == 3 and point["mean_accepted_length"] > 1
         assert point["accepted_drafts"] == point["leading_right_drafts"] > 0 and "matches_plain" not in point
+
+
+def test_decode_reports_the_host_phases_of_an_asynchronous_core(tiny_bench):
+    """(b) and (k) report where an asynchronous core's host time goes per timed step; a synchronous core
+    has no such counters and reports None."""
+    b = tiny_bench
+    for asynchronous in (True, False):
+        core = b.core(4, 64, asynchronous=asynchronous)
+        seqs = b.add(core, 4, 16, 24, 64)
+        b.prefill(core, seqs, b.deadline())
+        run = b.decode(core, seqs, 6, b.deadline())
+        host = run["host_ms_per_step"]
+        if not asynchronous:
+            assert host is None
+            continue
+        assert set(host) == {"schedule", "launch", "read", "finish", "other"}
+        assert all(v >= 0.0 for v in host.values())
+        assert 0.0 < sum(host.values()) <= run["ms_per_step"] * 1.05
