@@ -127,18 +127,11 @@ def test_fused_step_with_bf16_states(name, dtype):
 # Qwen3.5-35B-A3B's DeltaNet (16 key heads, 32 value heads, dk = dv = 128), bf16 everything.
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["decode", "verify", "mixed"])
+@pytest.mark.parametrize("name", ["decode", "verify", "prefill"])
 def test_real_shapes_bf16_states_on_gpu(name):
-    layout = {
-        "decode": SeqLayout((1,) * 64, tuple(i % 5 for i in range(64)), tuple(range(100, 164))),
-        "verify": SeqLayout(
-            (4,) * 16,
-            (9,) * 15 + (0,),
-            tuple(range(16)),
-            state_out=tuple((16 + 3 * i, 17 + 3 * i, 18 + 3 * i, i) for i in range(16)),
-        ),
-        "mixed": SeqLayout((1, 7, 64, 65, 500), (3, 0, 12, 40, 0), (70, 71, 72, 73, 74)),
-    }[name]
+    from tests.engine.kernels.test_gated_delta_triton import GPU_LAYOUTS
+
+    layout = GPU_LAYOUTS[name]  # 64 decodes; 16 verify steps of 4; short and chunked prefills together
     hk, hv, dk, dv = 16, 32, 128, 128
     q, k, v, g, beta = delta_inputs(layout.num_tokens, hk, hv, dk, dv, BF16, device="cuda")
     state = start_state(layout, 180, hv, dk, dv, device="cuda").to(BF16)
