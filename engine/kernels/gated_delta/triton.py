@@ -508,13 +508,17 @@ def _chunked(q, k, v, g, beta, state, layout: SeqLayout, out, launch: ChunkLaunc
     )
 
 
-def _launch_config(num_heads: int, dv: int) -> tuple[int, int]:
-    """(BV, num_warps) for `num_heads` (sequence, value head) pairs.
+def _launch_config(num_heads: int, dv: int, state_bytes: int = 4) -> tuple[int, int]:
+    """(BV, num_warps) for `num_heads` (sequence, value head) pairs and states of `state_bytes` an element.
 
-    Measured on an H200 at dk = dv = 128 (state traffic, bf16 inputs): one warp per [128, 32] tile is the best
+    Measured on an H200 at dk = dv = 128 (fp32 states, bf16 inputs): one warp per [128, 32] tile is the best
     or within 3% of it from 8 decodes up (about 3.4 TB/s at 256 decodes) and for 64-token prefills; with fewer
     programs than about two per SM, 4 warps per tile halve the time (one decode: 8 us against 16 us).
+    bf16 states (`state_dtype="bfloat16"`), measured on an H100 only (`benchmarks/recurrent_tiles.py`): two
+    warps per [128, 64] tile, 308 against 321 us at 256 decodes and 82 against 83 us at 64.
     """
+    if state_bytes < 4 and num_heads * triton.cdiv(dv, 32) >= 264:
+        return min(triton.next_power_of_2(dv), 64), 2
     bv = min(triton.next_power_of_2(dv), 32)
     return bv, 4 if num_heads * triton.cdiv(dv, bv) < 264 else 1
 
@@ -551,7 +555,7 @@ def gated_delta_rule(
             layout.cached("gated_delta.token_slots", q.device, _token_slots) if use_state_out else seqs
         )
         bk = triton.next_power_of_2(dk)
-        bv, num_warps = _launch_config(seqs.shape[0] * hv, dv)
+        bv, num_warps = _launch_config(seqs.shape[0] * hv, dv, state.element_size())
         grid = (seqs.shape[0] * hv, triton.cdiv(dv, bv))
         _recurrent_kernel[grid](
             q,

@@ -57,6 +57,22 @@ def test_gated_delta_rule_with_bf16_states(name, dtype):
         assert not state[list(targets)].isnan().any()
 
 
+def test_many_decodes_take_the_bf16_launch_choice():
+    """70 decodes of 4 value heads with dv 40 (two 32-wide tiles each): enough programs that bf16 states take
+    their own tiling (one 64-wide tile, masked past 40, two warps), against the reference."""
+    assert gd_triton._launch_config(70 * 4, 40, 2) == (64, 2)
+    assert gd_triton._launch_config(70 * 4, 40, 4) == (32, 1)
+    ctx = tuple(i % 4 for i in range(70))
+    layout = SeqLayout((1,) * 70, ctx, tuple(range(70)))
+    q, k, v, g, beta = delta_inputs(70, 2, 4, 16, 40, torch.float32, seed=19)
+    state = start_state(layout, 70, 4, 16, 40, seed=19).to(BF16)
+    ref_state = state.clone()
+    out = gd_triton.gated_delta_rule(q, k, v, g, beta, state, layout)
+    ref = delta_reference.gated_delta_rule(q, k, v, g, beta, ref_state, layout)
+    torch.testing.assert_close(out, ref, **OUT[torch.float32])
+    torch.testing.assert_close(state, ref_state, **STATE_BF16)
+
+
 def test_the_reference_rounds_after_every_token():
     # One sequence of 3 tokens from a bf16 state: the state after it is the fp32 recurrence with a rounding
     # after each token, not one rounding at the end (which differs: 3 tokens of fp32 carry).
