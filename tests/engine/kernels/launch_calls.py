@@ -292,6 +292,7 @@ def gated_delta() -> None:
         gated_delta_call(BF16, layout((100,) * seqs, (10,) * seqs))
     gated_delta_call(FP32, layout((100,) * 3, (10,) * 3))
     # bf16 recurrent states: recurrent (with per-token states) and chunked
+    gated_delta_call(BF16, layout((1,) * 16, (10,) * 16), BF16)
     gated_delta_call(BF16, layout((4,) * 16, (10,) * 16, state_out=True), BF16)
     gated_delta_call(BF16, layout((100,) * 3, (10,) * 3), BF16)
 
