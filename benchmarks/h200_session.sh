@@ -7,6 +7,7 @@
 #   STEPS="attention" ...       prefill attention kernels against flash SDPA (attention_prefill.{txt,json})
 #   STEPS="verify" ...          issue 18: verify-step profiles, 2-4-row projections (then (f) in another call)
 #   STEPS="state" ...           issue 13: bf16 recurrent states' gpu tests and accuracy against fp32 states
+#   STEPS="recurrent" ...       issue 13: the recurrent kernel's tilings with fp32 and bf16 states
 # Each step's time limit has an environment override (GPU_TESTS_LIMIT, KV_TESTS_LIMIT, BENCH_LIMIT, ...), and
 # GPU_TESTS_PATHS narrows the gpu tests, so one call fits under the device's 10 minutes.
 # Writes under $OUT: gpu.txt (GPU and stack), kernels.txt (kernel tests compiled on the GPU), gpu_tests.txt
@@ -101,6 +102,11 @@ for step in $STEPS; do
         tests/engine/kernels/test_attention_fp8_kv.py tests/engine/test_fp8_kv_cache.py
       run kv_fp8_accuracy "${KV_LIMIT:-300}" python -m engine.bench.kv_accuracy --preset qwen3.5-35b-a3b \
         --seqs 8 --prompt-len 512 --tokens 256 --json "$OUT/kv_fp8_accuracy.json" ;;
+    recurrent)  # issue 13: the recurrent gated delta kernel's tilings at decode batches, fp32 and bf16 states
+      # (ncu on the launcher's choice: ncu --clock-control none --kernel-name regex:_recurrent_kernel python
+      # benchmarks/recurrent_tiles.py --batches 256 --once)
+      run recurrent_tiles "${TILES_LIMIT:-150}" python benchmarks/recurrent_tiles.py --batches 64,256 \
+        --json "$OUT/recurrent_tiles.json" ;;
     state)  # issue 13: bf16 recurrent states (--state-dtype bfloat16): the DeltaNet kernels' gpu tests with
       # both state dtypes (and the FP8 cuBLAS bound not yet run on a GPU), then greedy agreement and logit
       # error against fp32 states over 256 tokens on the random-weight preset; benches: STEPS=bench ... --state-dtype bfloat16

@@ -2,11 +2,13 @@
 fp32 and bf16 recurrent states (`state_dtype`), at Qwen3.5-35B-A3B's DeltaNet shape (16 key heads, 32 value
 heads, dk = dv = 128).
 
-    python benchmarks/recurrent_tiles.py [--batches 64,256,512] [--json PATH]
+    python benchmarks/recurrent_tiles.py [--batches 64,256,512] [--json PATH] [--once]
 
 One decode token per sequence; each (batch, state dtype, BV, warps) timed with triton.testing.do_bench
 (median), against the state bytes read and written (the step's floor). The launcher's own choice
-(`_launch_config`) is marked. Needs CUDA. Prints a table and writes JSON.
+(`_launch_config`) is marked. `--once` runs only the launcher's choice, once per batch and state dtype,
+untimed: for `ncu --clock-control none --kernel-name regex:_recurrent_kernel python
+benchmarks/recurrent_tiles.py --batches 256 --once`. Needs CUDA. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from engine.kernels.gated_delta import triton as gd
 HK, HV, DK, DV = 16, 32, 128, 128
 
 
-def measure(batch: int, state_dtype: torch.dtype, bv: int, warps: int) -> float:
+def measure(batch: int, state_dtype: torch.dtype, bv: int, warps: int, once: bool = False) -> float:
+    """Seconds per call at (bv, warps); `once`: one untimed call (0.0)."""
     import triton.testing
 
     dev = "cuda"
@@ -39,6 +42,10 @@ def measure(batch: int, state_dtype: torch.dtype, bv: int, warps: int) -> float:
     real = gd._launch_config
     gd._launch_config = lambda heads, dv, state_bytes=4: (bv, warps)
     try:
+        if once:
+            gd.gated_delta_rule(q, k, v, g, beta, state, layout)
+            torch.cuda.synchronize()
+            return 0.0
         return triton.testing.do_bench(lambda: gd.gated_delta_rule(q, k, v, g, beta, state, layout)) * 1e-3
     finally:
         gd._launch_config = real
@@ -48,6 +55,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="64,256,512")
     parser.add_argument("--json", default="")
+    parser.add_argument(
+        "--once", action="store_true", help="the launcher's choice only, one untimed call each"
+    )
     args = parser.parse_args()
     rows = []
     print(f"{'batch':>5} {'state':>8} {'BV':>4} {'warps':>5} {'us':>8} {'TB/s':>6}  choice")
@@ -55,6 +65,12 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             state_bytes = 2 * batch * HV * DK * DV * dtype.itemsize  # read and written once
             chosen = gd._launch_config(batch * HV, DV, dtype.itemsize)
+            if args.once:
+                measure(batch, dtype, *chosen, once=True)
+                print(
+                    f"{batch:>5} {str(dtype).removeprefix('torch.'):>8} {chosen[0]:>4} {chosen[1]:>5}  once"
+                )
+                continue
             for bv in (16, 32, 64, 128):
                 for warps in (1, 2, 4, 8):
                     s = measure(batch, dtype, bv, warps)
