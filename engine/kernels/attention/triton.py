@@ -619,15 +619,65 @@ def _long(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, b
     )
 
 
+# Positions of context (summed over a step's prefill chunks) from which the packed kernel reads an FP8 cache
+# through a copy dequantised once (`_dequantised`) rather than dequantising tiles inside its loop. On an H100
+# (docs/PERFORMANCE.md, sixth session) the in-loop path ran 8,192 queries after 524,288 FP8 keys at 262
+# TFLOP/s against 446-470 for the same kernel over a bf16 cache, while the copy costs a read of the e4m3 rows
+# and a write of bf16 ones, ~1 ms per 1M positions: negligible there, and launches not worth adding to the
+# short-context chunks of serving steps.
+DEQUANTISE_ONCE_CONTEXT = 16384
+
+
+def _dequantised(
+    k_cache, v_cache, scales, layout: SeqLayout, dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The long sequences' blocks of an FP8 cache as a bf16 (`dtype`) block pool of their own, dequantised
+    as the reference reads them (`fp8_kv.dequantize`: e4m3 times its fp32 scale, rounded to `dtype`), and
+    their block tables renumbered into it. In slices of blocks, to bound the fp32 temporary."""
+
+    def blocks(layout: SeqLayout) -> list[int]:
+        return sorted({b for i in layout.long_seqs for b in layout.block_tables[i]})
+
+    def used(layout: SeqLayout) -> torch.Tensor:
+        return torch.tensor(blocks(layout), dtype=torch.long)
+
+    def renumbered(layout: SeqLayout) -> torch.Tensor:
+        new = {b: j for j, b in enumerate(blocks(layout))}
+        rows = [[new[b] for b in layout.block_tables[i]] for i in layout.long_seqs]
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+
+    device = k_cache.device
+    used = layout.cached("attention_triton_dequantised_blocks", device, used)
+    tables = layout.cached("attention_triton_dequantised_tables", device, renumbered)
+    k_scale, v_scale = scales
+    pools = []
+    for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
+        pool = torch.empty((used.shape[0], *cache.shape[1:]), dtype=dtype, device=cache.device)
+        for lo in range(0, used.shape[0], _DEQUANTISE_SLICE):
+            part = used[lo : lo + _DEQUANTISE_SLICE]
+            pool[lo : lo + part.shape[0]] = fp8_kv.dequantize(cache[part], scale[part], dtype)
+        pools.append(pool)
+    return pools[0], pools[1], tables
+
+
+_DEQUANTISE_SLICE = 2048  # blocks per slice: 2048 x 64 positions x 2 kv heads x 256 x 4 bytes = 256 MiB
+
+
 def _long_packed(
     q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, block_n, config=None, fp8_dot=False
 ) -> None:
     """Every long sequence in one launch of the packed kernel over (kv head, tile of new tokens); `config`
     (rows, keys, warps, stages) overrides the tiling (benchmarks/attention_prefill.py --sweep); `fp8_dot`:
-    e4m3 products over an FP8 cache."""
+    e4m3 products over an FP8 cache. Over an FP8 cache with products in q's dtype and a long context
+    (DEQUANTISE_ONCE_CONTEXT), the kernel reads a dequantised copy of the blocks the step reads."""
     group = q.shape[1] // k_cache.shape[2]
     rows, keys, warps, stages = config or prefill.tiling(q.dtype, group, block_m, block_n)
     tables, info = _seq_index(layout, "long", q.device)
+    context = sum(layout.context_lens[i] for i in layout.long_seqs)
+    if scales is not None and not fp8_dot and context >= DEQUANTISE_ONCE_CONTEXT:
+        k_cache, v_cache, tables = _dequantised(k_cache, v_cache, scales, layout, q.dtype)
+        scales = None
     tiles = _prefill_tiles(layout, rows // group, q.device)
     dispatch.choose("attention", "triton-prefill-packed")
     tiling = (rows, keys, warps, stages)

@@ -115,6 +115,22 @@ def test_split_kv_decode_matches_reference_on_an_fp8_cache():
     check(fp8_case([1, 2], [70, 45], hq=4, hkv=2, d=16, block_size=8), num_splits=3, block_n=16)
 
 
+@pytest.mark.parametrize("threshold, once", [(1, True), (10**9, False)])
+def test_packed_prefill_reads_a_long_context_through_a_copy_dequantised_once(monkeypatch, threshold, once):
+    """From DEQUANTISE_ONCE_CONTEXT positions of context the packed kernel reads the step's blocks from a copy
+    dequantised as the reference reads them (then as from a cache in q's dtype); below it, it dequantises
+    its tiles itself. Both against the reference; the FP8 cache itself is left as written."""
+    calls = []
+    real = attention_triton._dequantised
+    monkeypatch.setattr(attention_triton, "DEQUANTISE_ONCE_CONTEXT", threshold)
+    monkeypatch.setattr(attention_triton, "_DEQUANTISE_SLICE", 3)  # several slices of blocks
+    monkeypatch.setattr(attention_triton, "_dequantised", lambda *a: calls.append(1) or real(*a))
+    # Two prompt chunks after contexts (one block shared by neither), beside a decode and a verify step.
+    case = fp8_case([1, 24, 4, 13], [40, 9, 3, 22], hq=4, hkv=2, d=16, block_size=4)
+    check(case, block_n=16, block_m=16, prefill_kernel="packed")
+    assert calls == ([1] if once else [])
+
+
 def test_fp8_cache_stays_close_to_the_fp32_cache():
     """Attention over the FP8 cache against the same inputs over an fp32 cache: e4m3 keeps 3 mantissa bits
     (a relative rounding of at most 2^-4 of each row's amax / 448 unit), so outputs of unit-scale inputs move
@@ -190,6 +206,7 @@ def test_fp8_products_follow_their_variable(monkeypatch):
         ((1,), (128 * 1024,)),  # one long context: split-KV
         ((1, 300, 4, 1), (5000, 0, 12, 1)),  # decodes, a prefill chunk, a verify step
         ((2000, 9), (14000, 0)),  # a later chunk over a long context, a short prompt
+        ((2048, 1), (20000, 77)),  # past DEQUANTISE_ONCE_CONTEXT: the prefill reads a dequantised copy
     ],
 )
 def test_real_shapes_bf16_fp8_cache(query_lens, context_lens):
