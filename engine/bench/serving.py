@@ -35,13 +35,14 @@ def peer_metric(letter: str) -> str:
 
 
 def documents(b: Bench) -> list[dict[str, Any]]:
-    """(d) many requests through Engine.submit and its loop thread, as the pipeline sends them."""
+    """(d) many requests through Engine.submit and its loop thread, as the pipeline sends them; the cache
+    budget is the engine's own (from free memory, as a server's), unless --kv-cache-gib says."""
     s = b.sizes
     shape = Served(s.docs, s.doc_prompt, s.doc_new)
     return [
         guarded(
             f"{s.docs} x {s.doc_prompt}+{s.doc_new}",
-            lambda: served(b, shape, b.settings.max_num_seqs, b.settings.kv_cache_bytes),
+            lambda: served(b, shape, b.settings.max_num_seqs, b.settings.serve_kv_cache_bytes),
         )
     ]
 

@@ -81,7 +81,7 @@ class Settings:
     max_num_batched_tokens: int
     max_num_seqs: int  # of workload (d)
     seed: int
-    serve_kv_cache_bytes: int | None = None  # of (h)-(j); None: the engine's own budget from free memory
+    serve_kv_cache_bytes: int | None = None  # of (d), (h)-(j); None: the engine's own budget from free memory
     warm_up: bool | None = None  # the serving engines' warm_up option; None: the engine's default
     long_prefill_chunk: int | None = None  # the engine option; None: the engine's default (32,768 on cuda)
     kv_cache_dtype: str = "auto"  # every workload's engine option (auto: the model's dtype; fp8)

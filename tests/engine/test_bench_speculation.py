@@ -206,3 +206,17 @@ def test_decode_reports_the_host_phases_of_an_asynchronous_core(tiny_bench):
         assert set(host) == {"schedule", "launch", "read", "finish", "other"}
         assert all(v >= 0.0 for v in host.values())
         assert 0.0 < sum(host.values()) <= run["ms_per_step"] * 1.05
+
+
+def test_documents_take_the_serving_budget(tiny_bench):
+    """(d) plans its cache from the serving budget (`serve_kv_cache_bytes`: on CUDA None, the engine's own
+    from free memory, as (h)-(j)), not the fixed budget of the single-shape workloads."""
+    import dataclasses
+
+    from engine.bench.serving import documents
+
+    b = dataclasses.replace(tiny_bench)
+    b.settings = dataclasses.replace(tiny_bench.settings, serve_kv_cache_bytes=3 << 27, max_seconds=60)
+    b.sizes = dataclasses.replace(tiny_bench.sizes, docs=4, doc_prompt=24, doc_new=4)
+    (point,) = documents(b)
+    assert point["completed"] == 4 and point["kv_cache_bytes"] == 3 << 27
