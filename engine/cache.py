@@ -29,7 +29,7 @@ class LinearState:
     """State of one Gated DeltaNet layer for every slot."""
 
     conv: torch.Tensor  # [S, conv_dim, K-1] last inputs of the causal conv
-    recurrent: torch.Tensor  # [S, Hv, dk, dv] delta-rule state (fp32, or the model's dtype)
+    recurrent: torch.Tensor  # [S, Hv, dk, dv] delta-rule state (fp32, or bf16: `state_dtype`)
 
 
 @dataclass
@@ -100,7 +100,6 @@ class ModelCache:
         self.device = torch.device(device)
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype  # the KV blocks'; FP8 ones carry scales
-        self.state_dtype = state_dtype
         # Every DeltaNet layer's states are views of one pool per kind, [layers, S, ...], so copying slots
         # (a verify step's commit, a prefix's fork) is one gather and scatter per pool, not two per layer.
         c = config

@@ -187,11 +187,8 @@ class Bench:
         ended = [s.num_computed for s in seqs if not s.finished]
         if context is not None and ended:
             context = (context + statistics.fmean(ended)) / 2
-        host_ms = {
-            name: 1e3 * (seconds - phases[name]) / done
-            for name, seconds in getattr(core, "host_phases", {}).items()
-            if done and name in phases
-        }
+        after = getattr(core, "host_phases", {})
+        host_ms = {name: 1e3 * (after[name] - phases[name]) / done for name in phases} if done else {}
         return {
             "decode_steps": done,
             "warmup_steps": warmup,

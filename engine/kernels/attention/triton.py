@@ -626,6 +626,7 @@ def _long(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, b
 # and a write of bf16 ones, ~1 ms per 1M positions: negligible there, and launches not worth adding to the
 # short-context chunks of serving steps.
 DEQUANTISE_ONCE_CONTEXT = 16384
+_DEQUANTISE_SLICE = 2048  # blocks per slice: 2048 x 64 positions x 2 kv heads x 256 x 4 bytes = 256 MiB
 
 
 def _dequantised(
@@ -659,9 +660,6 @@ def _dequantised(
             pool[lo : lo + part.shape[0]] = fp8_kv.dequantize(cache[part], scale[part], dtype)
         pools.append(pool)
     return pools[0], pools[1], tables
-
-
-_DEQUANTISE_SLICE = 2048  # blocks per slice: 2048 x 64 positions x 2 kv heads x 256 x 4 bytes = 256 MiB
 
 
 def _long_packed(

@@ -168,7 +168,7 @@ def _deltanet_step_kernel(
     conv_state,  # [S, C, K-1]
     a_log,  # [HV]
     dt_bias,  # [HV]
-    state,  # [S, HV, DK, DV] fp32, or the model's dtype (rounded after every token)
+    state,  # [S, HV, DK, DV] fp32, or bf16 (`state_dtype`; rounded after every token)
     norm_weight,  # [DV]
     out,  # [T, HV * DV], contiguous
     seqs,  # [N, 4] int32: start, length, slot, has context

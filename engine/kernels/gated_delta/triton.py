@@ -45,7 +45,7 @@ def _recurrent_kernel(
     v,  # [T, Hv, dv]
     g,  # [T, Hv] fp32 log decay
     beta,  # [T, Hv]
-    state,  # [S, Hv, dk, dv] fp32, or the model's dtype (rounded after every token)
+    state,  # [S, Hv, dk, dv] fp32, or bf16 (`state_dtype`; rounded after every token)
     out,  # [T, Hv, dv], contiguous
     seqs,  # [N, 4] int32: start, length, slot, flags
     token_slots,  # [T] int32 slot for the state after each token, -1 for none (only read if USE_STATE_OUT)
@@ -219,7 +219,7 @@ def _chunk_state_kernel(
     w,  # [NC, Hv, BT, dv] from _chunk_wy_kernel; overwritten with u = w - kd S, the values each chunk writes
     cum,  # [NC, Hv, BT] fp32 from _chunk_wy_kernel
     h,  # [NC, Hv, dk, dv] out: the state each chunk starts from
-    state,  # [S, Hv, dk, dv] fp32, or the model's dtype (rounded once, at the end)
+    state,  # [S, Hv, dk, dv] fp32, or bf16 (`state_dtype`; rounded once, at the end)
     seqs,  # [N, 5] int32: start, length, slot, flags, index of the first chunk
     stride_ss,
     stride_sh,
