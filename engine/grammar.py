@@ -15,6 +15,7 @@ not installed.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -32,16 +33,22 @@ from engine.tokenizer import Tokenizer
 
 MAX_COMPILED = 64  # distinct constraints kept compiled (a job's documents share one)
 PARALLEL_FILL_ROWS = 8  # from this many rows a step's masks are filled by a pool (FILL_POOL), GIL released
-# llguidance's pool. One thread: on the H100 host (16 cores) `benchmarks/grammar_fill.py` filled 256 masks of
-# 248,320 tokens in 14.3 ms on 1 thread against 22.9 on 8 and 16 (64 masks: 5.6 against 6.6 and 8.2); on the
-# 2-core VM 2 threads gained 20% at 256 rows and lost 28% at 64 (docs/PERFORMANCE.md, 2026-12-05, fourth
-# session). The pool still releases the GIL while it fills.
-FILL_THREADS = 1
-# Which pool fills a large step's masks: "llguidance" (its LLExecutor, the measured choice above) or "python"
-# (a thread pool calling each matcher, the GIL released inside each call: how vLLM parallelises
-# `fill_bitmask` above 128 rows). llguidance's pool did not get faster with threads on either GPU host
-# (the H200's: 22.6 ms for 256 masks on 1 thread, 20.8-24.5 on 2-8), so the Python pool is there to be
-# measured against it (`benchmarks/grammar_fill.py --pools`); unmeasured on a GPU host, it is not the default.
+# Threads that fill a large step's masks, and as many independent copies ("lexer groups") of each compiled
+# grammar. llguidance's `LLMatcher.deep_copy` shares the original's lexer, behind one mutex that a mask
+# computation holds throughout (its earley/parser.rs: `Parser.shared: Arc<Mutex<..>>`, taken by
+# `compute_bias`; only the Rust-side `deep_clone` copies it, and Python's `deep_copy` calls `clone`). So the
+# matchers of one schema, all copies of one compiled matcher, filled one at a time whatever the pool: that is
+# why no thread count helped on either GPU host (docs/PERFORMANCE.md, fourth and fifth sessions: 256 masks in
+# 14.3 ms on 1 thread and 22.9 on 8 on the H100's host; 22.6 and 20.8-24.5 on the H200's). Now each group is
+# compiled on its own, a request's matcher copies its group's (round robin), and each thread fills one
+# group's rows. Half the cores, at most 8: the engine's own thread keeps one. Unmeasured on a GPU host.
+FILL_THREADS = min(8, max(1, (os.cpu_count() or 1) // 2))
+# Which pool fills a large step's masks: "llguidance" (its LLExecutor, rayon threads over the rows sorted by
+# group, no GIL taken between rows; a thread that steals rows of another group may wait on that group's lexer)
+# or "python" (a thread per group calling each of its matchers, the GIL taken and released around every
+# row: no two threads ever share a lexer). On this project's 2-core VM neither gains from a second thread even
+# with independent lexers (a JSON string's masks walk most of the 248,320-token trie: memory-bound there);
+# with one shared lexer two threads were 29% slower than one (`benchmarks/grammar_fill.py`).
 FILL_POOLS = ("llguidance", "python")
 FILL_POOL = "llguidance"
 # One-line JSON with OpenAI's separators and no free whitespace: a wandering model cannot loop on blanks.
@@ -100,12 +107,23 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._vocabulary: Any = None
         self._executor: Any = None
-        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        # Per constraint, one compiled matcher per lexer group (compiled on the group's first request).
+        self._compiled: OrderedDict[str, list[Any]] = OrderedDict()
+        self._next_group = 0
         self.fill_stats = FillStats()
 
+    @property
+    def groups(self) -> int:
+        """Lexer groups: one per fill thread."""
+        return self.threads
+
     def state(self, constraint: Constraint) -> GrammarState:
-        """A fresh matcher for `constraint`; `RequestError` (one line) when it cannot be compiled."""
-        return GrammarState(self._compile(constraint).deep_copy(), self)
+        """A fresh matcher for `constraint`, in the next lexer group; `RequestError` (one line) when it cannot
+        be compiled."""
+        with self._lock:
+            group = self._next_group
+            self._next_group = (group + 1) % self.groups
+        return GrammarState(self._compile(constraint, group).deep_copy(), self, group)
 
     def fill(self, states: list[GrammarState], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Fill `bitmask[rows[i]]` (host int32, contiguous) with the tokens `states[i]` allows next; from
@@ -119,22 +137,30 @@ class GrammarCompiler:
         elif self.pool == "python":
             with self._lock:
                 self._executor = self._executor or ThreadPoolExecutor(self.threads, "grammar-fill")
-            parts = [pairs[i :: self.threads] for i in range(self.threads)]
-            for done in [self._executor.submit(_fill_rows, part, bitmask, width) for part in parts]:
+            parts: list[list[tuple[Any, int]]] = [[] for _ in range(self.groups)]
+            for state, pair in zip(states, pairs, strict=True):
+                parts[state.group % self.groups].append(pair)
+            work = [self._executor.submit(_fill_rows, part, bitmask, width) for part in parts if part]
+            for done in work:
                 done.result()
         else:
             with self._lock:
                 self._executor = self._executor or llg.LLExecutor(self.threads)
-            self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), width, bitmask.shape[0])
+            # By group: rayon hands out runs of the list, so a thread's rows mostly share one lexer.
+            order = sorted(range(len(pairs)), key=lambda i: states[i].group)
+            grouped = [pairs[i] for i in order]
+            self._executor.unsafe_compute_mask_ptr(grouped, bitmask.data_ptr(), width, bitmask.shape[0])
         self.fill_stats.add(len(states), time.perf_counter() - start)
 
-    def _compile(self, constraint: Constraint) -> Any:
+    def _compile(self, constraint: Constraint, group: int = 0) -> Any:
+        """Lexer group `group`'s compiled matcher for `constraint` (compiled now if it has none)."""
         key = constraint.key
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is not None:
                 self._compiled.move_to_end(key)
-                return compiled
+                if compiled[group] is not None:
+                    return compiled[group]
             vocabulary = self._vocabulary = self._vocabulary or self._new_vocabulary()
         llg = _llguidance()
         matcher = llg.LLMatcher(vocabulary, _grammar(llg, constraint), log_level=0)
@@ -142,7 +168,10 @@ class GrammarCompiler:
             reason = " ".join(matcher.get_error().split())[:200]
             raise RequestError(f"the {constraint.kind} constraint cannot be compiled: {reason}")
         with self._lock:
-            self._compiled[key] = matcher
+            groups = self._compiled.setdefault(key, [None] * self.groups)
+            if groups[group] is None:  # else a racing thread's came first
+                groups[group] = matcher
+            matcher = groups[group]
             while len(self._compiled) > MAX_COMPILED:
                 self._compiled.popitem(last=False)
         return matcher
@@ -178,6 +207,7 @@ class GrammarState:
 
     matcher: Any
     compiler: GrammarCompiler  # fills masks for every state it made, in parallel for large batches
+    group: int = 0  # the compiler's lexer group whose compiled matcher this one copies (shares its lexer)
 
     def accept(self, token: int) -> bool:
         """Advance by `token`; False, and the state unchanged, when the grammar does not allow it."""

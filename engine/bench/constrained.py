@@ -203,7 +203,7 @@ def constrained(b: Bench) -> list[dict[str, Any]]:
 
         def grammar() -> GrammarState:
             real = compiler().state(Constraint.json_schema(SCHEMA))
-            recorded.append(RecordingState(real.matcher, real.compiler))
+            recorded.append(RecordingState(real.matcher, real.compiler, real.group))
             return recorded[-1]
 
         held = decode_point(b, batch, s.batch_prompt, steps, grammar=grammar)

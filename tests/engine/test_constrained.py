@@ -241,6 +241,22 @@ def test_each_fill_pool_fills_what_one_matcher_at_a_time_does(pool, threads):
     assert compiler.fill_stats.calls == 1 + len(states)
 
 
+def test_requests_take_the_lexer_groups_in_turn_each_compiled_on_its_own():
+    # llguidance's deep_copy shares the copied matcher's lexer (one mutex per mask): each fill thread's group
+    # has its own compiled matcher, so matchers of different groups never wait on one another
+    from engine.bench.constrained import SCHEMA, synthetic_tokenizer
+    from engine.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(synthetic_tokenizer(4096), 4096, [4095], threads=3)
+    constraint = Constraint.json_schema(SCHEMA)
+    states = [compiler.state(constraint) for _ in range(7)]
+    assert [s.group for s in states] == [0, 1, 2, 0, 1, 2, 0]
+    templates = [compiler._compile(constraint, group) for group in range(3)]
+    assert len({id(t) for t in templates}) == 3  # three compilations, not one shared
+    assert compiler._compile(constraint, 1) is templates[1]  # and each kept
+    assert all(s.matcher is not templates[s.group] for s in states)  # requests hold copies
+
+
 def test_an_unknown_fill_pool_is_refused():
     from engine.bench.constrained import synthetic_tokenizer
     from engine.grammar import GrammarCompiler
