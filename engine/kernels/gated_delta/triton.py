@@ -1,9 +1,10 @@
 """Triton gated delta rule: a fused token-by-token recurrence for short sequences (decode, MTP verify, short
 prefills), a chunked (WY) form for longer ones.
 
-Recurrent: one program per (sequence, value head, dv tile) keeps its fp32 state tile [dk, BV] in registers for
-all of the sequence's new tokens, so each state element is read once and written once per step (or once per
-token when the layout keeps per-token states for the verify step).
+Recurrent: one program per (sequence, value head, dv tile) keeps its state tile [dk, BV] in registers for
+all of the sequence's new tokens (fp32, or bf16 states as stored, converted at each use), so each state
+element is read once and written once per step (or once per token when the layout keeps per-token states
+for the verify step).
 
 Chunked, as `reference.chunked` (the split of flash-linear-attention's chunk_gated_delta_rule), three passes:
 1. `_chunk_wy_kernel`, every (chunk of 64 tokens, value head) in parallel: the cumulative decay, (I + A)^-1
@@ -92,7 +93,7 @@ def _recurrent_kernel(
     # interpreter rejects `tensor & scalar` masks.
     # A sequence without context (flag bit 1 clear) starts from zeros: its slot may hold garbage.
     m_read = (o_k[:, None] < tl.where((flags & 1) != 0, DK, 0)) & m_v[None, :]
-    b_s = tl.load(p_s + slot * stride_ss, mask=m_read, other=0.0).to(tl.float32)
+    b_s = tl.load(p_s + slot * stride_ss, mask=m_read, other=0.0)  # as stored: fp32, or 16-bit (see below)
 
     for t in range(0, length):
         tok = start + t
@@ -105,11 +106,18 @@ def _recurrent_kernel(
         b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
 
-        b_s = b_s * tl.exp(b_g)
-        b_delta = b_beta * (b_v - tl.sum(b_s * b_k[:, None], axis=0))  # [BV]
-        # Rounded as stored (a no-op for fp32 states), as the reference's recurrence does.
-        b_s = (b_s + b_k[:, None] * b_delta[None, :]).to(state.dtype.element_ty).to(tl.float32)
-        b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BV]
+        if state.dtype.element_ty == tl.float32:
+            b_s = b_s * tl.exp(b_g)
+            b_delta = b_beta * (b_v - tl.sum(b_s * b_k[:, None], axis=0))  # [BV]
+            b_s = b_s + b_k[:, None] * b_delta[None, :]
+        else:
+            # 16-bit states: the tile stays in its storage dtype between uses (half the registers of fp32),
+            # the decay applied to the reduced row (exp(g) sum(s k) = sum(exp(g) s k)), and the update rounded
+            # as stored, as the reference's recurrence does.
+            decay = tl.exp(b_g)
+            b_delta = b_beta * (b_v - decay * tl.sum(b_s.to(tl.float32) * b_k[:, None], axis=0))  # [BV]
+            b_s = (b_s.to(tl.float32) * decay + b_k[:, None] * b_delta[None, :]).to(state.dtype.element_ty)
+        b_o = tl.sum(b_s.to(tl.float32) * b_q[:, None], axis=0)  # [BV]
         tl.store(out + (tok * HV + i_h) * DV + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
         if USE_STATE_OUT:
             out_slot = tl.load(token_slots + tok).to(tl.int64)
@@ -515,7 +523,9 @@ def _launch_config(num_heads: int, dv: int, state_bytes: int = 4) -> tuple[int, 
     or within 3% of it from 8 decodes up (about 3.4 TB/s at 256 decodes) and for 64-token prefills; with fewer
     programs than about two per SM, 4 warps per tile halve the time (one decode: 8 us against 16 us).
     bf16 states (`state_dtype="bfloat16"`), measured on an H100 only (`benchmarks/recurrent_tiles.py`): two
-    warps per [128, 64] tile, 308 against 321 us at 256 decodes and 82 against 83 us at 64.
+    warps per [128, 64] tile, 308 against 321 us at 256 decodes and 82 against 83 us at 64. That was before
+    the kernel kept bf16 tiles as stored (sm_90: 241 registers and no spills at (64, 2), from 254 and 48
+    bytes of stack; 128 at (32, 2) and (64, 4)); not measured since.
     """
     if state_bytes < 4 and num_heads * triton.cdiv(dv, 32) >= 264:
         return min(triton.next_power_of_2(dv), 64), 2
