@@ -56,3 +56,15 @@ def pv_e4m3(acc, alpha, p, vs, v, EXACT_E4M3: tl.constexpr):
     pv_scale = tl.maximum(tl.max(pv, 1) / E4M3_MAX, SCALE_TINY)  # [M]
     pv8 = to_e4m3(pv / pv_scale[:, None], EXACT_E4M3)
     return acc * alpha[:, None] + tl.dot(pv8, v) * pv_scale[:, None]
+
+
+@triton.jit
+def pv_e4m3_in_units(acc, unit, alpha, p, vs, v, EXACT_E4M3: tl.constexpr):
+    """`pv_e4m3` for an accumulator kept in units of a per-row factor (acc * unit [M] is the true sum), so the
+    e4m3 product accumulates into it in place (wgmma's accumulator registers) instead of beside it: with s
+    the new rows' scale, acc' = acc * (unit * alpha / s) + (P vs / s) V and unit' = s; returns both."""
+    pv = p * vs[None, :]
+    pv_scale = tl.maximum(tl.max(pv, 1) / E4M3_MAX, SCALE_TINY)  # [M]
+    pv8 = to_e4m3(pv / pv_scale[:, None], EXACT_E4M3)
+    acc = acc * (unit * alpha / pv_scale)[:, None]
+    return tl.dot(pv8, v, acc), pv_scale

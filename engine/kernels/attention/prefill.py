@@ -22,8 +22,12 @@ FP8 cache (`USE_KV_SCALE`): as the rows kernel, keys converted to q's dtype as s
 the score columns, values dequantised before the PV product. With e4m3 products (`FP8_DOT`,
 ENCLAVE_FP8_ATTENTION=1) the queries are quantised per row once per tile and the keys and values enter the
 dots as stored: QK^T times the query and key scales, and P times the values' scales quantised per row before
-the PV dot, as the rows kernel does. Unmeasured on a GPU: the e4m3 PV dot wants V K-major (Hopper's
-wgmma), and the cache stores it D-major, so Triton may transpose it through shared memory.
+the PV dot, as the rows kernel does. Hopper's e4m3 wgmma takes both operands K-major, and the cache stores V
+D-major (positions apart), which the PV product would transpose tile by tile: measured on an H100 at 108-116
+TFLOP/s, 2.3x slower than bf16 products over the same cache (docs/PERFORMANCE.md, sixth session). So from
+a long context the launcher hands it the step's values transposed once per step (`V_TRANSPOSED`: [D,
+positions] per block and kv head, `triton._fp8_gathered`), read as [D, BLOCK_N] tiles whose transpose is
+K-major.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.attention.e4m3 import pv_e4m3, quantize_rows
+from engine.kernels.attention.e4m3 import pv_e4m3_in_units, quantize_rows
 
 # sm_90 at D 256, bf16/fp16 (ptxas, tests/engine/kernels/test_compile_sm90.py): 128 rows x 64 keys, 8 warps,
 # 2 stages. Unmeasured on the H200: benchmarks/attention_prefill.py --sweep picks among the alternatives.
@@ -59,9 +63,10 @@ SWEEP_TILES = [
 def _packed_block(
     q,  # [BLOCK_M, BLOCK_D] queries of the tile (FP8_DOT: e4m3, times q_scale)
     q_scale,  # [BLOCK_M] fp32 (FP8_DOT only)
-    acc,  # [BLOCK_M, BLOCK_D] fp32 unnormalised output
+    acc,  # [BLOCK_M, BLOCK_D] fp32 unnormalised output (FP8_DOT: in units of `unit`)
     m_i,  # [BLOCK_M] fp32 running max (base 2)
     l_i,  # [BLOCK_M] fp32 running sum
+    unit,  # [BLOCK_M] fp32 (FP8_DOT only): acc * unit is the unnormalised output
     q_pos,  # [BLOCK_M] position of each query row
     start,  # first key position of this block
     kv_len,
@@ -73,7 +78,7 @@ def _packed_block(
     stride_kb,
     stride_kr,
     stride_vb,
-    stride_vr,
+    stride_vr,  # V_TRANSPOSED: the stride between value dims (positions are contiguous)
     scale_log2,
     KV_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -86,6 +91,7 @@ def _packed_block(
     NUM_KV_HEADS: tl.constexpr,
     FP8_DOT: tl.constexpr,  # e4m3 QK and PV products (needs USE_KV_SCALE)
     EXACT_E4M3: tl.constexpr,
+    V_TRANSPOSED: tl.constexpr,  # values stored [D, KV_BLOCK] per block and head (K-major for the PV dot)
 ):
     n = tl.arange(0, BLOCK_N)
     pos = start + n  # [BLOCK_N] key positions
@@ -95,7 +101,10 @@ def _packed_block(
         block = tl.load(table_ptr + start // KV_BLOCK).to(tl.int64)  # start < kv_len: a real entry
         offset = start % KV_BLOCK + n
         k_offs = block * stride_kb + offset[:, None] * stride_kr + d[None, :]
-        v_offs = block * stride_vb + offset[:, None] * stride_vr + d[None, :]
+        if V_TRANSPOSED:  # [BLOCK_D, BLOCK_N]: one contiguous run of positions per value dim
+            v_offs = block * stride_vb + d[:, None] * stride_vr + offset[None, :]
+        else:
+            v_offs = block * stride_vb + offset[:, None] * stride_vr + d[None, :]
         flat = block * KV_BLOCK + offset  # [BLOCK_N] cache row of each key
     else:
         # start is a multiple of BLOCK_N; when that is a multiple of KV_BLOCK too, a key's place in its cache
@@ -111,16 +120,24 @@ def _packed_block(
         else:
             block = tl.load(table_ptr + entry).to(tl.int64)
         k_offs = block[:, None] * stride_kb + offset[:, None] * stride_kr + d[None, :]
-        v_offs = block[:, None] * stride_vb + offset[:, None] * stride_vr + d[None, :]
+        if V_TRANSPOSED:
+            v_offs = block[None, :] * stride_vb + d[:, None] * stride_vr + offset[None, :]
+        else:
+            v_offs = block[:, None] * stride_vb + offset[:, None] * stride_vr + d[None, :]
         flat = block * KV_BLOCK + offset
     if IS_DIAGONAL or BLOCK_D != HEAD_DIM:
         # Rows past the sequence's end may hold NaN: masked loads give 0 there (0 * NaN would be NaN).
         kv_mask = kv_ok[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_ptr + k_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D] as stored
-        v = tl.load(v_ptr + v_offs, mask=kv_mask, other=0.0)
+        if V_TRANSPOSED:
+            v = tl.trans(tl.load(v_ptr + v_offs, mask=(d < HEAD_DIM)[:, None] & kv_ok[None, :], other=0.0))
+        else:
+            v = tl.load(v_ptr + v_offs, mask=kv_mask, other=0.0)
     else:
         k = tl.load(k_ptr + k_offs)
         v = tl.load(v_ptr + v_offs)
+        if V_TRANSPOSED:
+            v = tl.trans(v)  # [BLOCK_N, BLOCK_D], positions contiguous
     if FP8_DOT:  # e4m3 as stored, the queries' row scales on the scores
         s = tl.dot(q, tl.trans(k)) * q_scale[:, None]  # [BLOCK_M, BLOCK_N], natural units
     else:
@@ -142,10 +159,10 @@ def _packed_block(
     p = tl.exp2(s * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if FP8_DOT:
-        acc = pv_e4m3(acc, alpha, p, vs, v, EXACT_E4M3)
+        acc, unit = pv_e4m3_in_units(acc, unit, alpha, p, vs, v, EXACT_E4M3)
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    return acc, m_new, l_i, unit
 
 
 @triton.jit
@@ -183,6 +200,7 @@ def _prefill_packed_kernel(
     NUM_KV_HEADS: tl.constexpr = 1,
     FP8_DOT: tl.constexpr = False,  # e4m3 QK and PV products: q and P quantised per row
     EXACT_E4M3: tl.constexpr = False,  # round to e4m3 in fp32 before casts (the interpreter)
+    V_TRANSPOSED: tl.constexpr = False,  # v_cache_ptr [num_blocks, Hkv, D, block_size] (stride_vr: D's)
 ):
     # The kv heads vary fastest over the grid: the programs of one tile read its block table together.
     h = tl.program_id(0)
@@ -216,25 +234,28 @@ def _prefill_packed_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    unit = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     # Keys 0 .. ctx + j0 are visible to every row of the tile: whole blocks of them go without any mask.
     full_end = (ctx + j0 + 1) // BLOCK_N * BLOCK_N
     for start in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _packed_block(
-            q, q_scale, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+        acc, m_i, l_i, unit = _packed_block(
+            q, q_scale, acc, m_i, l_i, unit, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             stride_kb, stride_kr, stride_vb, stride_vr, scale_log2,
             KV_BLOCK, HEAD_DIM, BLOCK_D, BLOCK_N, False, KV_BLOCK % BLOCK_N == 0, DOT_PRECISION,
-            USE_KV_SCALE, NUM_KV_HEADS, FP8_DOT, EXACT_E4M3,
+            USE_KV_SCALE, NUM_KV_HEADS, FP8_DOT, EXACT_E4M3, V_TRANSPOSED,
         )  # fmt: skip
     # The rest, up to the tile's last position (padding rows past the sequence's end mask keys >= kv_len).
     diag_end = tl.minimum(kv_len, ctx + j0 + TOKENS)
     for start in range(full_end, diag_end, BLOCK_N):
-        acc, m_i, l_i = _packed_block(
-            q, q_scale, acc, m_i, l_i, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+        acc, m_i, l_i, unit = _packed_block(
+            q, q_scale, acc, m_i, l_i, unit, q_pos, start, kv_len, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             stride_kb, stride_kr, stride_vb, stride_vr, scale_log2,
             KV_BLOCK, HEAD_DIM, BLOCK_D, BLOCK_N, True, KV_BLOCK % BLOCK_N == 0, DOT_PRECISION,
-            USE_KV_SCALE, NUM_KV_HEADS, FP8_DOT, EXACT_E4M3,
+            USE_KV_SCALE, NUM_KV_HEADS, FP8_DOT, EXACT_E4M3, V_TRANSPOSED,
         )  # fmt: skip
 
+    if FP8_DOT:
+        acc = acc * unit[:, None]
     o = acc / l_i[:, None]
     o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -268,20 +289,29 @@ def prefill_packed(
     num_stages: int,
     fp8_dot: bool = False,
     exact_e4m3: bool = False,
+    v_transposed: bool = False,
 ) -> None:
     """Launch the packed kernel over `tiles` ([num_tiles, 2] int32: long sequence, first new token, tokens
     block_m // group apart), writing `out` [T, Hq, D]; `tables`/`info` as `triton._seq_index` builds them.
     `fp8_dot` (an FP8 cache only): e4m3 QK and PV products; `exact_e4m3`: round to e4m3 in fp32 first (the
-    interpreter's cast is faulty)."""
+    interpreter's cast is faulty); `v_transposed`: `v_cache` is [num_blocks, Hkv, D, block_size] (each
+    block's values with positions contiguous, as Hopper's e4m3 PV product wants them)."""
     if fp8_dot and scales is None:
         raise ValueError("e4m3 products need an FP8 cache (its scales)")
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
     group = hq // hkv
+    if v_transposed:  # (block, value dim, head): the kernel's (block, row, head) strides, rows being dims
+        if v_cache.shape != (k_cache.shape[0], hkv, d, k_cache.shape[1]) or v_cache.stride(-1) != 1:
+            shape = tuple(v_cache.shape)
+            raise ValueError(f"transposed values must be [blocks, Hkv, D, block_size], got {shape}")
+        v_strides = (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
+    else:
+        v_strides = v_cache.stride()[:3]
     strides = (
         *q.stride()[:2],
         *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
+        *v_strides,
         *out.stride()[:2],
         tables.stride(0),
     )
@@ -300,6 +330,7 @@ def prefill_packed(
         NUM_KV_HEADS=hkv,
         FP8_DOT=fp8_dot,
         EXACT_E4M3=fp8_dot and exact_e4m3,
+        V_TRANSPOSED=v_transposed,
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip

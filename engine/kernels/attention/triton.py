@@ -620,21 +620,20 @@ def _long(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, b
 
 
 # Positions of context (summed over a step's prefill chunks) from which the packed kernel reads an FP8 cache
-# through a copy dequantised once (`_dequantised`) rather than dequantising tiles inside its loop. On an H100
+# through a copy of the step's blocks made once per step: dequantised (`_dequantised`) for products in q's
+# dtype, rather than dequantising tiles inside its loop; for e4m3 products, gathered with each block's values
+# transposed (`_fp8_gathered`), rather than transposing value tiles inside its loop. On an H100
 # (docs/PERFORMANCE.md, sixth session) the in-loop path ran 8,192 queries after 524,288 FP8 keys at 262
-# TFLOP/s against 446-470 for the same kernel over a bf16 cache, while the copy costs a read of the e4m3 rows
-# and a write of bf16 ones, ~1 ms per 1M positions: negligible there, and launches not worth adding to the
-# short-context chunks of serving steps.
+# TFLOP/s against 446-470 for the same kernel over a bf16 cache (and at 116 with e4m3 products), while a copy
+# costs a read of the e4m3 rows and a write of the copy, ~1 ms per 1M positions: negligible there, and
+# launches not worth adding to the short-context chunks of serving steps.
 DEQUANTISE_ONCE_CONTEXT = 16384
 _DEQUANTISE_SLICE = 2048  # blocks per slice: 2048 x 64 positions x 2 kv heads x 256 x 4 bytes = 256 MiB
 
 
-def _dequantised(
-    k_cache, v_cache, scales, layout: SeqLayout, dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The long sequences' blocks of an FP8 cache as a bf16 (`dtype`) block pool of their own, dequantised
-    as the reference reads them (`fp8_kv.dequantize`: e4m3 times its fp32 scale, rounded to `dtype`), and
-    their block tables renumbered into it. In slices of blocks, to bound the fp32 temporary."""
+def _step_blocks(layout: SeqLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache blocks the long sequences read, sorted ([n] int64), and their block tables renumbered into
+    a pool of those blocks in that order ([B, max_blocks] int32, padded with 0); built once per layout."""
 
     def blocks(layout: SeqLayout) -> list[int]:
         return sorted({b for i in layout.long_seqs for b in layout.block_tables[i]})
@@ -648,9 +647,19 @@ def _dequantised(
         width = max(len(r) for r in rows)
         return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
 
-    device = k_cache.device
-    used = layout.cached("attention_triton_dequantised_blocks", device, used)
-    tables = layout.cached("attention_triton_dequantised_tables", device, renumbered)
+    return (
+        layout.cached("attention_triton_step_blocks", device, used),
+        layout.cached("attention_triton_step_tables", device, renumbered),
+    )
+
+
+def _dequantised(
+    k_cache, v_cache, scales, layout: SeqLayout, dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The long sequences' blocks of an FP8 cache as a bf16 (`dtype`) block pool of their own, dequantised
+    as the reference reads them (`fp8_kv.dequantize`: e4m3 times its fp32 scale, rounded to `dtype`), and
+    their block tables renumbered into it. In slices of blocks, to bound the fp32 temporary."""
+    used, tables = _step_blocks(layout, k_cache.device)
     k_scale, v_scale = scales
     pools = []
     for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
@@ -662,26 +671,44 @@ def _dequantised(
     return pools[0], pools[1], tables
 
 
+def _fp8_gathered(
+    k_cache, v_cache, scales, layout: SeqLayout
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The long sequences' blocks of an FP8 cache as a pool of their own, for e4m3 products: keys [n,
+    block_size, Hkv, D] as stored, values transposed to [n, Hkv, D, block_size] (the bytes unchanged), their
+    scales [n, block_size, Hkv], and the block tables renumbered into the pool."""
+    used, tables = _step_blocks(layout, k_cache.device)
+    k_scale, v_scale = scales
+    values = v_cache[used].permute(0, 2, 3, 1).contiguous()
+    return k_cache[used], values, (k_scale[used], v_scale[used]), tables
+
+
 def _long_packed(
     q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, block_n, config=None, fp8_dot=False
 ) -> None:
     """Every long sequence in one launch of the packed kernel over (kv head, tile of new tokens); `config`
     (rows, keys, warps, stages) overrides the tiling (benchmarks/attention_prefill.py --sweep); `fp8_dot`:
-    e4m3 products over an FP8 cache. Over an FP8 cache with products in q's dtype and a long context
-    (DEQUANTISE_ONCE_CONTEXT), the kernel reads a dequantised copy of the blocks the step reads."""
+    e4m3 products over an FP8 cache. Over an FP8 cache and a long context (DEQUANTISE_ONCE_CONTEXT), the
+    kernel reads a copy of the blocks the step reads: dequantised for products in q's dtype, with the values
+    transposed for e4m3 products."""
     group = q.shape[1] // k_cache.shape[2]
     rows, keys, warps, stages = config or prefill.tiling(q.dtype, group, block_m, block_n)
     tables, info = _seq_index(layout, "long", q.device)
     context = sum(layout.context_lens[i] for i in layout.long_seqs)
-    if scales is not None and not fp8_dot and context >= DEQUANTISE_ONCE_CONTEXT:
-        k_cache, v_cache, tables = _dequantised(k_cache, v_cache, scales, layout, q.dtype)
-        scales = None
+    transposed = False
+    if scales is not None and context >= DEQUANTISE_ONCE_CONTEXT:
+        if fp8_dot:
+            k_cache, v_cache, scales, tables = _fp8_gathered(k_cache, v_cache, scales, layout)
+            transposed = True
+        else:
+            k_cache, v_cache, tables = _dequantised(k_cache, v_cache, scales, layout, q.dtype)
+            scales = None
     tiles = _prefill_tiles(layout, rows // group, q.device)
     dispatch.choose("attention", "triton-prefill-packed")
     tiling = (rows, keys, warps, stages)
     exact = engine_env().triton_interpret
     prefill.prefill_packed(
-        q, k_cache, v_cache, scales, tables, info, tiles, scale, out, *tiling, fp8_dot, exact
+        q, k_cache, v_cache, scales, tables, info, tiles, scale, out, *tiling, fp8_dot, exact, transposed
     )
 
 

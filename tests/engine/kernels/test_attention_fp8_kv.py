@@ -131,6 +131,38 @@ def test_packed_prefill_reads_a_long_context_through_a_copy_dequantised_once(mon
     assert calls == ([1] if once else [])
 
 
+@pytest.mark.parametrize("block_size, block_n", [(4, 16), (16, 16), (32, 16)])
+def test_e4m3_products_over_a_long_context_read_values_transposed_once(monkeypatch, block_size, block_n):
+    """From DEQUANTISE_ONCE_CONTEXT positions of context, e4m3 products read the step's blocks from a gathered
+    copy whose values are transposed per block ([D, positions]: K-major for Hopper's e4m3 PV product): the
+    same numbers as reading the cache in place, bit for bit, with key tiles spanning cache blocks (4) and
+    lying in one (16: a whole block; 32: part of one)."""
+    calls = []
+    real = attention_triton._fp8_gathered
+    monkeypatch.setattr(attention_triton, "_fp8_gathered", lambda *a: calls.append(1) or real(*a))
+    case = fp8_case([1, 24, 4, 13], [40, 9, 3, 22], hq=4, hkv=2, d=16, block_size=block_size)
+    q, k, v, k8, v8, ks, vs, layout = case
+
+    def run(threshold):
+        monkeypatch.setattr(attention_triton, "DEQUANTISE_ONCE_CONTEXT", threshold)
+        caches = [t.clone() for t in (k8, v8, ks, vs)]
+        return attention_triton.paged_attention(
+            q, k, v, caches[0], caches[1], layout, 0.25, k_scale=caches[2], v_scale=caches[3],
+            block_n=block_n, block_m=16, fp8_products=True, prefill_kernel="packed",
+        )  # fmt: skip
+
+    in_place = run(10**9)
+    assert calls == []
+    once = run(1)
+    assert calls == [1]
+    assert not once.isnan().any()
+    torch.testing.assert_close(once, in_place, rtol=0, atol=0)
+    ref = [t.clone() for t in (k8, v8, ks, vs)]
+    expected = reference.attention(q, k, v, ref[0], ref[1], layout, 0.25, ref[2], ref[3])
+    err = (once - expected).abs()
+    assert err.max() < 0.15 and err.mean() < 0.02, (err.max(), err.mean())
+
+
 def test_fp8_cache_stays_close_to_the_fp32_cache():
     """Attention over the FP8 cache against the same inputs over an fp32 cache: e4m3 keeps 3 mantissa bits
     (a relative rounding of at most 2^-4 of each row's amax / 448 unit), so outputs of unit-scale inputs move
