@@ -213,6 +213,11 @@ class ModelRunner:
         """Queue the MTP head's K/V for a step that verifies no drafts, pairing position p with token p + 1
         on the device: the step's next input, or, at a sequence's last position, the token it samples now
         (still on the device) or the next prompt token."""
+        if ids.shape[0] == len(items) == tokens.shape[0] and all(len(rows) == 1 for rows in emit_rows):
+            # A decode step: each sequence's one position pairs with the token its row samples now, so those
+            # tokens are the head's input ids as they are (no gather, scatter or upload queued).
+            self._mtp_store(tokens, mtp_input, self._mtp_layout(layout))
+            return
         next_ids = torch.cat((ids[1:], ids.new_zeros(1)))  # [T] the flat batch's next input ids
         sampled_at, sampled_rows, known_at, known = [], [], [], []
         offset = 0
