@@ -115,6 +115,10 @@ class EngineCore:
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.busy_s = 0.0
+        # The host's seconds in `ModelRunner.launch` (batching, uploads, the forward's launches), and the
+        # steps, of steps replayed from a graph and of eager ones (prefill chunks, mixed steps)
+        self.launch_s = {"graph": 0.0, "eager": 0.0}
+        self.launch_steps = {"graph": 0, "eager": 0}
         self.draft_tokens = 0
         self.accepted_tokens = 0
         self.aborted = 0  # requests dropped before they finished (Engine.abort, or a failed loop)
@@ -150,6 +154,8 @@ class EngineCore:
         self.steps = self.prompt_tokens = self.generated_tokens = 0
         self.draft_tokens = self.accepted_tokens = self.aborted = 0
         self.busy_s = 0.0
+        self.launch_s = {"graph": 0.0, "eager": 0.0}
+        self.launch_steps = {"graph": 0, "eager": 0}
         self.scheduler.num_preemptions = 0
         if self.runner.policy is not None:
             self.runner.policy.reset()
@@ -169,10 +175,15 @@ class EngineCore:
     ) -> Launched | None:
         """Queue the step on the device and count its prompt tokens and drafts (generated tokens are counted
         when read)."""
+        start = time.perf_counter()
         try:
             launched = self.runner.launch(out, previous, nonblocking)
         except Exception as exc:
             raise self._failed(exc, out) from exc
+        if launched is not None:
+            kind = "graph" if self.runner.last_graphed else "eager"
+            self.launch_s[kind] += time.perf_counter() - start
+            self.launch_steps[kind] += 1
         self.prompt_tokens += sum(
             max(0, min(i.context + i.num_new, len(i.seq.prompt_ids)) - i.context) for i in out.scheduled
         )
@@ -229,4 +240,6 @@ class EngineCore:
             kernels=dispatch.usage(),
             batch_size=self.batch_size,
             aborted_requests=self.aborted,
+            launch_s=dict(self.launch_s),
+            launch_steps=dict(self.launch_steps),
         )

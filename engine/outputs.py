@@ -61,6 +61,10 @@ class EngineStats:
     kernels: dict[str, str] = field(default_factory=dict)
     batch_size: int = 0  # sequences in the last step (prompt chunks and decodes)
     aborted_requests: int = 0  # requests dropped before they finished (Engine.abort)
+    # The host's seconds launching steps ("graph": replayed from CUDA graphs; "eager": prefill chunks, mixed
+    # steps and whatever no graph fits), and how many steps of each
+    launch_s: dict[str, float] = field(default_factory=dict)
+    launch_steps: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -129,6 +129,7 @@ class ModelRunner:
         self.processors = LogitsProcessors(self.device)
         self.policy = policy  # adaptive speculation: each step's k (at most `k`); None: always k
         self.mtp_graphs = mtp_graphs  # the MTP head's passes from CUDA graphs; None runs them eagerly
+        self.last_graphed = False  # whether the last step launched replayed a graph (else it ran eagerly)
 
     @torch.inference_mode()
     def launch(
@@ -148,6 +149,7 @@ class ModelRunner:
             return None
         layout, ids, drafted = self._batch(items, previous, nonblocking)
         hidden = self.graphs.run(layout, ids) if self.graphs is not None else None
+        self.last_graphed = hidden is not None
         if hidden is None:
             hidden = self.model(ids, layout, self.cache)
         emit_rows = self._emit_rows(items, layout)

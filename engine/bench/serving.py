@@ -171,6 +171,12 @@ def served(b: Bench, shape: Served, max_num_seqs: int | None, kv_cache_bytes: in
         "graphs_captured": stats.graphs_captured,
         "graph_capture_s": stats.graph_capture_s,
         "busy_s": stats.steps and (stats.prompt_tokens + stats.generated_tokens) / stats.tokens_per_s,
+        # Host time launching graph and eager steps: an eager (mixed) step whose launch takes about its
+        # share of the wall time is bound by the host's kernel launches, which piecewise graphs would cut.
+        "launch_steps": stats.launch_steps,
+        "launch_ms_per_step": {
+            kind: 1e3 * stats.launch_s[kind] / count for kind, count in stats.launch_steps.items() if count
+        },
     }
     computed = stats.prompt_tokens + stats.generated_tokens
     if stats.steps and computed:
@@ -187,4 +193,9 @@ def served(b: Bench, shape: Served, max_num_seqs: int | None, kv_cache_bytes: in
         f"({point['busy_s']:.1f} s in steps; {stats.graphs_captured} graphs, {stats.graph_capture_s:.1f} s "
         f"capturing, {start_s:.1f} s engine start)"
     )
+    launch = point["launch_ms_per_step"]
+    if launch:
+        point["note"] += "; launch " + ", ".join(
+            f"{stats.launch_steps[kind]} {kind} steps {ms:.1f} ms" for kind, ms in launch.items()
+        )
     return point

@@ -22,6 +22,29 @@ def test_chunked_prefill_and_small_groups_equal_whole(demo_dir, demo_engine):
     assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == whole
 
 
+def test_stats_time_the_host_launching_each_kind_of_step(demo_engine, monkeypatch):
+    # Off CUDA no step replays a graph: every launched step counts as eager, with its launch time. A step
+    # counted as replayed when the runner says so.
+    demo_engine.core.reset_counters()
+    demo_engine.generate(PROMPTS[:2], GREEDY)
+    stats = demo_engine.stats()
+    assert stats.launch_steps == {"graph": 0, "eager": stats.steps} and stats.steps > 0
+    assert stats.launch_s["graph"] == 0.0 < stats.launch_s["eager"]
+    runner = demo_engine.core.runner
+    launch = runner.launch
+
+    def replayed(*args, **kwargs):
+        launched = launch(*args, **kwargs)
+        runner.last_graphed = True
+        return launched
+
+    monkeypatch.setattr(runner, "launch", replayed)
+    demo_engine.core.reset_counters()
+    demo_engine.generate(PROMPTS[:1], GREEDY)
+    stats = demo_engine.stats()
+    assert stats.launch_steps == {"graph": stats.steps, "eager": 0} and stats.launch_s["graph"] > 0
+
+
 def test_max_num_seqs_left_to_the_engine_is_fixed_off_cuda(demo_engine):
     # On CUDA it is sized from the cache plan (planner.affordable_seqs); on the CPU it stays 64.
     assert demo_engine.max_num_seqs == demo_engine.core.scheduler.max_num_seqs == 64
