@@ -260,14 +260,25 @@ def test_real_shapes_bf16_fp8_cache(query_lens, context_lens):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("query_lens, context_lens", [((8192,), (0,)), ((2000, 300), (14000, 0))])
-def test_real_shapes_fp8_products(query_lens, context_lens):
+@pytest.mark.parametrize(
+    "query_lens, context_lens, block_size",
+    [
+        ((8192,), (0,), 16),
+        ((2000, 300), (14000, 0), 16),
+        # past DEQUANTISE_ONCE_CONTEXT: values read from a transposed copy, key tiles across cache blocks
+        # (16 positions) and inside one (64, the CUDA default)
+        ((2048, 1), (20000, 77), 16),
+        ((2048, 1), (20000, 77), 64),
+    ],
+)
+def test_real_shapes_fp8_products(query_lens, context_lens, block_size):
     """The e4m3 products at Qwen3.5's prefill shapes against the fp32 reference over the same FP8 cache:
     the first measurement of their error on the GPU (bounds as the interpreter's test, which at these
     lengths average more rounding per output)."""
     q, k, v, k8, v8, ks, vs, layout = fp8_case(
-        query_lens, context_lens, hq=16, hkv=2, d=256, block_size=16, dtype=torch.bfloat16, device="cuda"
-    )
+        query_lens, context_lens, hq=16, hkv=2, d=256, block_size=block_size, dtype=torch.bfloat16,
+        device="cuda",
+    )  # fmt: skip
     scale = 256**-0.5
     ref = [t.clone() for t in (k8, v8, ks, vs)]
     expected = reference.attention(q.float(), k.float(), v.float(), ref[0], ref[1], layout, scale, *ref[2:])
