@@ -8,6 +8,8 @@
 #   STEPS="verify" ...          issue 18: verify-step profiles, 2-4-row projections (then (f) in another call)
 #   STEPS="state" ...           issue 13: bf16 recurrent states' gpu tests and accuracy against fp32 states
 #   STEPS="recurrent" ...       issue 13: the recurrent kernel's tilings with fp32 and bf16 states
+#   STEPS="ncu_recurrent" ...   issue 13: ncu (full set) on that kernel at 256 decodes
+#   STEPS="attention_fp8" ...   issue 19: prefill attention over the FP8 cache; "long_fp8": (e) at 1M on it
 # Each step's time limit has an environment override (GPU_TESTS_LIMIT, KV_TESTS_LIMIT, BENCH_LIMIT, ...), and
 # GPU_TESTS_PATHS narrows the gpu tests, so one call fits under the device's 10 minutes.
 # Writes under $OUT: gpu.txt (GPU and stack), kernels.txt (kernel tests compiled on the GPU), gpu_tests.txt
@@ -107,6 +109,18 @@ for step in $STEPS; do
       # benchmarks/recurrent_tiles.py --batches 256 --once)
       run recurrent_tiles "${TILES_LIMIT:-150}" python benchmarks/recurrent_tiles.py --batches 64,256 \
         --json "$OUT/recurrent_tiles.json" ;;
+    ncu_recurrent)  # issue 13: ncu on the launcher's recurrent kernel at 256 decodes, fp32 then bf16 states
+      NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+      run ncu_recurrent "${NCU_LIMIT:-150}" "${NCU:-ncu}" --clock-control none --set full \
+        --kernel-name regex:_recurrent_kernel python benchmarks/recurrent_tiles.py --batches 256 --once ;;
+    attention_fp8)  # issue 19: the FP8 cache's prefill kernels alone (bf16 and e4m3 products; from 16,384
+      # positions of context through a copy made once per step: dequantised, or with values transposed)
+      run attention_fp8 "${ATTENTION_FP8_LIMIT:-150}" python benchmarks/attention_prefill.py --block-size 64 \
+        --kv-cache-dtype fp8 --cases 8192,32768,8192@131072,8192@524288 --json "$OUT/attention_prefill_fp8.json" ;;
+    long_fp8)  # issue 19: a 1,000,000-token prompt over the FP8 cache with e4m3 attention products (bf16
+      # weights: needs the H200's memory)
+      ENCLAVE_FP8_ATTENTION=1 run bench_e1m_fp8 "${BENCH_LIMIT:-540}" python -m engine.bench --preset qwen3.5-35b-a3b \
+        --workloads e --long-prompt 1000000 --kv-cache-dtype fp8 --json "$OUT/bench_e1m_fp8.json" ;;
     state)  # issue 13: bf16 recurrent states (--state-dtype bfloat16): the DeltaNet kernels' gpu tests with
       # both state dtypes (and the FP8 cuBLAS bound not yet run on a GPU), then greedy agreement and logit
       # error against fp32 states over 256 tokens on the random-weight preset; benches: STEPS=bench ... --state-dtype bfloat16

@@ -1,8 +1,9 @@
 """benchmarks/h200_session.sh on the CPU, running no benchmark: a device call must not lose its minutes to a
 flag a script does not take, an import error or a script that needs PYTHONPATH.
 
-Each step (each arm of the script's `case`) runs under bash with stand-ins for python, nvidia-smi and
-timeout first on PATH, so the script's own control flow records every python command line it would run.
+Each step (each arm of the script's `case`) runs under bash with stand-ins for python, nvidia-smi,
+timeout and ncu first on PATH, so the script's own control flow records every python command line it would
+run.
 Then this file, run as a driver (`python tests/engine/test_session_script.py JOBS RESULTS`), checks each line
 as the GPU machine would run it: from the repository root, with sys.path[0] the script's folder (the root
 for `-m`), no editable install, no PYTHONPATH, no sqlalchemy (nor llguidance unless the step installed it).
@@ -51,6 +52,12 @@ elif name == "timeout":
         print(f"timeout: invalid time interval or no command: {argv}", file=sys.stderr)
         sys.exit(125)
     os.execvp(argv[1], argv[1:])
+elif name == "ncu":  # the profiler runs the command after its options
+    command = next((i for i, a in enumerate(argv) if a in ("python", "python3")), None)
+    if command is None:
+        print(f"ncu: no python command in {argv}", file=sys.stderr)
+        sys.exit(1)
+    os.execvp(argv[command], argv[command:])
 else:
     env = {
         k: v
@@ -79,7 +86,7 @@ def write_stand_ins(folder: Path) -> Path:
     recorder.write_text(RECORDER)
     bin_dir = folder / "bin"
     bin_dir.mkdir()
-    for name in ("python", "python3", "nvidia-smi", "timeout"):
+    for name in ("python", "python3", "nvidia-smi", "timeout", "ncu"):
         path = bin_dir / name
         path.write_text(
             f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(recorder))} {name} "$@"\n'
