@@ -47,8 +47,8 @@ FILL_THREADS = min(8, max(1, (os.cpu_count() or 1) // 2))
 # group, no GIL taken between rows; a thread that steals rows of another group may wait on that group's lexer)
 # or "python" (a thread per group calling each of its matchers, the GIL taken and released around every
 # row: no two threads ever share a lexer). On this project's 2-core VM neither gains from a second thread even
-# with independent lexers (a JSON string's masks walk most of the 248,320-token trie: memory-bound there);
-# with one shared lexer two threads were 29% slower than one (`benchmarks/grammar_fill.py`).
+# with independent lexers (two processes filling half the rows each were as slow: the cores share whatever
+# the trie walk is bound by there); with one shared lexer two threads were 29% slower than one.
 FILL_POOLS = ("llguidance", "python")
 FILL_POOL = "llguidance"
 # One-line JSON with OpenAI's separators and no free whitespace: a wandering model cannot loop on blanks.
