@@ -679,7 +679,11 @@ def _fp8_gathered(
     scales [n, block_size, Hkv], and the block tables renumbered into the pool."""
     used, tables = _step_blocks(layout, k_cache.device)
     k_scale, v_scale = scales
-    values = v_cache[used].permute(0, 2, 3, 1).contiguous()
+    n, size, hkv, d = used.shape[0], *v_cache.shape[1:]
+    values = torch.empty((n, hkv, d, size), dtype=v_cache.dtype, device=v_cache.device)
+    for lo in range(0, n, _DEQUANTISE_SLICE):  # in slices, to bound the gathered temporary
+        part = used[lo : lo + _DEQUANTISE_SLICE]
+        values[lo : lo + part.shape[0]] = v_cache[part].permute(0, 2, 3, 1)
     return k_cache[used], values, (k_scale[used], v_scale[used]), tables
 
 
