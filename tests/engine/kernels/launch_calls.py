@@ -149,6 +149,18 @@ def packed_prefill_tilings() -> None:
     pages = SeqLayout((100,), (50,), (0,), ((0, 1, 2),), 64)
     cache = [empty(3, 64, c.num_key_value_heads, c.head_dim) for _ in "kv"]
     attention_triton._long_packed(q, *cache, None, pages, c.head_dim**-0.5, empty(*q.shape), None, None)
+    # The CUDA default's 64-position blocks under a long context over an FP8 cache: the dequantised copy
+    # (bf16 products), and the e4m3 products over the copy with transposed values (whole-page value tiles).
+    blocks = -(-20100 // 64)
+    long_pages = SeqLayout((100,), (20000,), (0,), (tuple(range(blocks)),), 64)
+    q = empty(100, c.num_attention_heads, c.head_dim, dtype=BF16)
+    fp8 = [empty(blocks, 64, c.num_key_value_heads, c.head_dim, dtype=FP8) for _ in "kv"]
+    scales = tuple(empty(blocks, 64, c.num_key_value_heads, dtype=FP32) for _ in "kv")
+    for fp8_dot in (False, True):
+        out = empty(*q.shape, dtype=BF16)
+        attention_triton._long_packed(
+            q, *fp8, scales, long_pages, c.head_dim**-0.5, out, None, None, fp8_dot=fp8_dot
+        )
 
 
 def qk_norm_rotary() -> None:
