@@ -66,8 +66,8 @@ class EngineCore:
             raise EngineError("EngineCore needs max_num_seqs; Engine sizes it from the cache plan")
         # One GEMM per DeltaNet layer's input projections: after any FP8 swap, before graphs are captured.
         model.fuse_projections_()
-        if k and options.speculation.draft_head == "fp8":
-            model.use_fp8_draft_head_()  # `Engine` made it before planning; a core built alone makes it here
+        if k:  # `Engine` did before planning; a core built alone does it here (again: a no-op)
+            model.prepare_draft_head_(options.speculation)
         dtype = model.model.embed_tokens.weight.dtype
         num_mtp = len(model.mtp.layers) if model.mtp is not None and k else 0
         self.options = options

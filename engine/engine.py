@@ -93,8 +93,9 @@ class Engine:
         self.think = ThinkTokens.of(tokenizer)  # a request may split reasoning from its answer with these
         self._grammars: GrammarCompiler | None = None
         num_mtp = len(model.mtp.layers) if model.mtp is not None and k else 0
-        if k and options.speculation.draft_head == "fp8":
-            model.use_fp8_draft_head_()  # before the plan, which sizes the cache from the memory left
+        if k:
+            model.prepare_draft_head_(options.speculation)  # before the plan, which sizes the cache from the
+            # memory left (an FP8 copy takes some)
         self.max_num_seqs, self.plan = plan_for(
             config,
             dtype,

@@ -225,6 +225,15 @@ class SpeculationOptions(_Concern):
         "half the bytes a draft reads, at 1 byte per weight more memory; verification stays exact)",
         choices=DRAFT_HEADS,
     )
+    draft_vocab: int | None = _option(
+        "whole",
+        None,
+        "score MTP drafts over the first N token ids only (FR-Spec's restricted draft vocabulary, the "
+        "tokenizer's order standing in for frequency: byte-level BPE numbers its merges by how often they "
+        "were seen): N/V of the bytes the draft head reads; a token past N is never drafted, verification "
+        "stays exact; unset: the whole vocabulary",
+        low=1,
+    )
 
 
 class OptionField(NamedTuple):

@@ -528,9 +528,10 @@ class ModelRunner:
         hidden = h[self._to_device(rows)]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         steps: list[torch.Tensor] = []  # [B] per draft step: each feeds the next on the device
+        vocab = self.model.vocab_rows  # the verify step's logits' width: draft distributions padded to it
         for step in range(max(counts)):
             logits = self.model.draft_logits(hidden)
-            tokens = self._pick_drafts(seqs, logits, probs)
+            tokens = self._pick_drafts(seqs, logits, probs, vocab)
             steps.append(tokens)
             if step + 1 == max(counts):
                 break
@@ -582,16 +583,17 @@ class ModelRunner:
 
     @staticmethod
     def _pick_drafts(
-        seqs: list[Sequence], logits: torch.Tensor, probs: list[list[torch.Tensor]]
+        seqs: list[Sequence], logits: torch.Tensor, probs: list[list[torch.Tensor]], vocab: int
     ) -> torch.Tensor:
         """One draft per sequence, on the device [B] (nothing read by the host): the argmax, or for a sampled
-        request a draw from its filtered distribution, kept in `probs` for rejection sampling."""
+        request a draw from its filtered distribution, kept in `probs` (over `vocab` tokens: 0 past a limited
+        draft vocabulary, which proposes none there) for rejection sampling."""
         tokens = logits.argmax(-1)
         for b, seq in enumerate(seqs):
             if not seq.params.greedy:
                 q = filtered_probs(logits[b], seq.params)
                 tokens[b] = torch.multinomial(q, 1, generator=seq.generator)[0]
-                probs[b].append(q)
+                probs[b].append(torch.nn.functional.pad(q, (0, vocab - q.shape[-1])))
         return tokens
 
 

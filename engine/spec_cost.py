@@ -107,7 +107,7 @@ class ModelBytes:
         expert_params = [(m.w13[0].numel() + m.w2[0].numel()) * k for m in main_moe + mtp_moe]
         embed = model.model.embed_tokens.weight
         head = size(embed if model.lm_head is None else model.lm_head.weight)  # tied: the table is the head
-        draft = head
+        draft = size(model.draft_weight())  # the head, or its first `draft_vocab` rows
         if model.draft_head is not None:
             draft = size(model.draft_head.weight) + size(model.draft_head.weight_scale_inv)
         fill = 0

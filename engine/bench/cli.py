@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         speculative=args.speculative,
         block_size=args.block_size,
         draft_head=args.draft_head,
+        draft_vocab=args.draft_vocab,
         fill_pool=args.fill_pool,
         fill_threads=args.fill_threads,
     )
@@ -310,6 +311,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--state-dtype", choices=STATE_DTYPES, default="auto", help=_doc("state_dtype"))
     parser.add_argument("--block-size", type=int, help=_doc("block_size"))
     parser.add_argument("--draft-head", choices=DRAFT_HEADS, default="model", help=_doc("draft_head"))
+    parser.add_argument("--draft-vocab", type=int, help=_doc("draft_vocab"))
     parser.add_argument(
         "--fill-pool", choices=FILL_POOLS, help=f"(k)'s mask fill pool (default {FILL_POOL}, the engine's)"
     )
@@ -322,6 +324,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--long-prefill-chunk must be positive")
     if args.fill_threads is not None and args.fill_threads < 1:
         parser.error("--fill-threads must be positive")
+    if args.draft_vocab is not None and args.draft_vocab < 1:
+        parser.error("--draft-vocab must be positive")
     if args.max_seconds <= 0 or args.max_num_batched_tokens < 1 or args.max_num_seqs < 1 or args.repeat < 1:
         parser.error("--max-seconds, --max-num-batched-tokens, --max-num-seqs and --repeat must be positive")
     return args

@@ -62,6 +62,7 @@ class Bench:
             "long_prefill_chunk": self.settings.long_prefill_chunk,
             "block_size": self.settings.block_size,
             "draft_head": self.settings.draft_head,
+            "draft_vocab": self.settings.draft_vocab,
             "max_prefixes": 0,
             "kv_cache_dtype": self.settings.kv_cache_dtype,
             "state_dtype": self.settings.state_dtype,

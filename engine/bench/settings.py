@@ -89,5 +89,6 @@ class Settings:
     speculative: bool = False  # (b) also decodes each batch with controlled-acceptance speculation
     block_size: int | None = None  # the engines' KV block size (positions per block); None: the engine's
     draft_head: str = "model"  # the engines' `draft_head` option: the lm_head MTP drafts are scored with
+    draft_vocab: int | None = None  # the engines' `draft_vocab` option: drafts score the first N token ids
     fill_pool: str | None = None  # (k)'s mask fill pool (`grammar.FILL_POOLS`); None: the engine's default
     fill_threads: int | None = None  # ... and its threads; None: the engine's default

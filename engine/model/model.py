@@ -6,6 +6,8 @@ so the loader's mapping stays short; fused projections are noted where they are 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -21,6 +23,9 @@ from engine.model.moe import SparseMoe
 from engine.model.mtp import MTPHead
 from engine.model.norm import RMSNorm
 from engine.model.rotary import rope_parameters
+
+if TYPE_CHECKING:
+    from engine.options import SpeculationOptions
 
 
 class TextModel(nn.Module):
@@ -52,6 +57,7 @@ class CausalLM(nn.Module):
         inv_freq, self.rope_scale = rope_parameters(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.draft_head: Fp8DraftHead | None = None  # `use_fp8_draft_head_`
+        self.draft_vocab: int | None = None  # `limit_draft_vocab_`: drafts score the first N token ids
 
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers (after the module was built on the meta device)."""
@@ -92,14 +98,42 @@ class CausalLM(nn.Module):
         return torch.nn.functional.linear(normed, self._head_weight()).float()
 
     def draft_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """The logits MTP drafts are picked from: the FP8 draft head's where one was made
-        (`use_fp8_draft_head_`), else `logits`."""
-        return self.logits(normed) if self.draft_head is None else self.draft_head(normed)
+        """[N, V'] fp32 logits MTP drafts are picked from, column j scoring token j: the FP8 draft head's
+        where one was made (`use_fp8_draft_head_`), else the lm_head's; over the first `draft_vocab` token
+        ids where they are limited (`limit_draft_vocab_`), else all of them."""
+        if self.draft_head is not None:
+            return self.draft_head(normed)
+        return torch.nn.functional.linear(normed, self.draft_weight()).float()
+
+    def prepare_draft_head_(self, options: SpeculationOptions) -> None:
+        """The drafts' head as the options say: its vocabulary limited (`draft_vocab`), then, with
+        `draft_head="fp8"`, the e4m3 copy of what is left. Again, a no-op."""
+        if options.draft_vocab is not None and self.draft_head is None:
+            self.limit_draft_vocab_(options.draft_vocab)
+        if options.draft_head == "fp8":
+            self.use_fp8_draft_head_()
+
+    def limit_draft_vocab_(self, n: int) -> None:
+        """Drafts score the first `n` token ids only (option `draft_vocab`); before `use_fp8_draft_head_`."""
+        if self.draft_head is not None:
+            raise RuntimeError("limit the draft vocabulary before making the FP8 draft head")
+        self.draft_vocab = n if n < self.vocab_rows else None
 
     def use_fp8_draft_head_(self) -> None:
-        """Score drafts with a block-scaled e4m3 copy of the lm_head (option `draft_head="fp8"`); once."""
+        """Score drafts with a block-scaled e4m3 copy of the lm_head (option `draft_head="fp8"`), of its
+        first `draft_vocab` rows where limited; once."""
         if self.draft_head is None:
-            self.draft_head = Fp8DraftHead.of(self._head_weight())
+            self.draft_head = Fp8DraftHead.of(self.draft_weight())
+
+    @property
+    def vocab_rows(self) -> int:
+        """Columns of `logits`: the lm_head's rows (the padded vocabulary)."""
+        return self._head_weight().shape[0]
+
+    def draft_weight(self) -> torch.Tensor:
+        """The lm_head rows drafts are scored with: a view of the first `draft_vocab`, or all."""
+        weight = self._head_weight()
+        return weight if self.draft_vocab is None else weight[: self.draft_vocab]
 
     def _head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -5,6 +5,7 @@ copy's logits are the head's within e4m3's rounding."""
 import pytest
 import torch
 
+import engine.runner as engine_runner
 from engine import Engine, SamplingParams
 from engine.kernels.fp8.reference import dequantize_block_fp8
 
@@ -77,3 +78,46 @@ def test_the_cost_model_counts_the_copys_bytes_per_draft(mtp_dir):
     scales = -(-v // 128) * -(-h // 128) * 4
     assert before.draft_head == before.lm_head == v * h * 4  # fp32 here
     assert after.draft_head == v * h + scales and after.lm_head == before.lm_head
+
+
+@pytest.mark.parametrize("head", ["model", "fp8"])
+def test_a_limited_draft_vocabulary_drafts_its_tokens_only_and_keeps_greedy(mtp_dir, head, monkeypatch):
+    """`draft_vocab=N`: drafts are scored over the first N token ids (a view of the head's rows, or the FP8
+    copy of those rows only), so no draft is N or more; verification keeps greedy output plain decoding's."""
+    with engine(mtp_dir) as e:
+        asks = prompts(e.config.vocab_size)
+        expected = [o.token_ids for o in e.generate(asks, GREEDY)]
+    n = 48
+    drafted: list[int] = []
+    pick = engine_runner.ModelRunner._pick_drafts
+
+    def recording(seqs, logits, probs, vocab):
+        assert logits.shape[-1] == n and vocab == e.model.vocab_rows
+        tokens = pick(seqs, logits, probs, vocab)
+        drafted.extend(tokens.tolist())
+        return tokens
+
+    monkeypatch.setattr(engine_runner.ModelRunner, "_pick_drafts", staticmethod(recording))
+    with engine(mtp_dir, num_speculative_tokens=2, draft_head=head, draft_vocab=n) as e:
+        assert e.model.draft_vocab == n
+        if head == "fp8":
+            assert e.model.draft_head.weight.shape[0] == n  # the copy holds the limited rows only
+        assert [o.token_ids for o in e.generate(asks, GREEDY)] == expected
+        stats = e.stats()
+    assert drafted and max(drafted) < n and stats.draft_tokens > 0
+
+
+def test_a_draft_vocabulary_at_least_the_heads_is_the_whole_head(mtp_dir):
+    with engine(mtp_dir, num_speculative_tokens=2, draft_vocab=10**6) as e:
+        assert e.model.draft_vocab is None and e.model.draft_weight().shape[0] == e.model.vocab_rows
+
+
+def test_the_cost_model_counts_a_limited_draft_vocabulary(mtp_dir):
+    from engine.spec_cost import ModelBytes
+
+    with engine(mtp_dir) as e:
+        model = e.model
+        model.limit_draft_vocab_(32)
+        costs = ModelBytes.of(model, 4, 0)
+    v, h = model._head_weight().shape
+    assert costs.lm_head == v * h * 4 and costs.draft_head == 32 * h * 4

@@ -43,6 +43,7 @@ ENGINE_OPTIONS = {  # what Engine took as keywords before the options existed: e
     "kv_cache_dtype",  # issue 19
     "state_dtype",  # issue 13
     "draft_head",  # issue 18
+    "draft_vocab",
 }
 
 

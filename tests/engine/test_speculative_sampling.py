@@ -117,12 +117,16 @@ def draws(path, **options) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("how", ["plain", "mtp head", "fixed drafter", "adaptive fixed drafter"])
+@pytest.mark.parametrize(
+    "how", ["plain", "mtp head", "mtp head, 64 of 96 tokens", "fixed drafter", "adaptive fixed drafter"]
+)
 def test_sampled_tokens_follow_the_target_distribution(setup, how, monkeypatch):
     path, top = setup
     options = {}
     if how != "plain":
         options["num_speculative_tokens"] = 2
+    if how.endswith("of 96 tokens"):  # a limited draft vocabulary: q is 0 past token 63, p is not
+        options["draft_vocab"] = 64
     if how.endswith("fixed drafter"):
         options["drafter"] = RankDrafter(top)
     if how.startswith("adaptive"):  # each step's k chosen (1 or 2 here: the drafts are often right)

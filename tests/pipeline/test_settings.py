@@ -169,7 +169,7 @@ def test_engine_table_is_the_engines_options(tmp_path):
         "kv_cache_memory": 1 << 30, "gpu_memory_utilization": 0.5, "block_size": 32, "max_prefixes": 2,
         "cuda_graphs": False, "graph_capture_len": 512, "num_speculative_tokens": 2, "mtp_hidden": "raw",
         "quantization": "fp8", "warm_up": True, "kv_cache_dtype": "fp8", "long_prefill_chunk": 8192,
-        "draft_head": "fp8", "state_dtype": "bfloat16",
+        "draft_head": "fp8", "state_dtype": "bfloat16", "draft_vocab": 32768,
     }  # fmt: skip
     assert set(given) == names
     toml = "[engine]\n" + "".join(
