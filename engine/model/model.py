@@ -98,9 +98,9 @@ class CausalLM(nn.Module):
         return torch.nn.functional.linear(normed, self._head_weight()).float()
 
     def draft_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """[N, V'] fp32 logits MTP drafts are picked from, column j scoring token j: the FP8 draft head's
-        where one was made (`use_fp8_draft_head_`), else the lm_head's; over the first `draft_vocab` token
-        ids where they are limited (`limit_draft_vocab_`), else all of them."""
+        """[T, V'] fp32 logits MTP drafts are picked from, column j scoring token j: the FP8 draft head's
+        where one was made (`use_fp8_draft_head_`), else the lm_head's; V' is `draft_vocab` where the draft
+        vocabulary is limited (`limit_draft_vocab_`), else the head's rows."""
         if self.draft_head is not None:
             return self.draft_head(normed)
         return torch.nn.functional.linear(normed, self.draft_weight()).float()
