@@ -2,7 +2,7 @@
 count, over the model's full vocabulary (the bench's synthetic byte-level tokenizer, 248,320 tokens).
 
     python benchmarks/grammar_fill.py [--batches 1,64,256] [--threads 1,8] [--pools llguidance,python]
-        [--steps 24] [--json F]
+        [--groups auto,1] [--steps 24] [--json F]
 
 Each row starts at the schema's beginning and is advanced by tokens drawn from what its mask allows
 (preferring tokens that keep a string or an array open, so rows stay inside the long fields): first up to
@@ -10,6 +10,8 @@ Each row starts at the schema's beginning and is advanced by tokens drawn from w
 running batch, then `warm` steps all together, then `steps` steps are timed: the fill of every row's mask
 (`GrammarCompiler.fill`, from 8 rows in the pool `--pools` names: llguidance's or Python threads) and the
 matchers' advance by one token each (`accept`, what the engine does when it reads a step's tokens).
+`--groups` sets the compiler's lexer groups (auto: one per thread, the engine's; 1: every matcher a copy of
+one compiled matcher, sharing its lexer and its mutex, as the engine filled before 2026-12-05).
 Schemas: `k`, bench (k)'s mid-size schema; `fixed_4096`, the same with its last field a string of exactly
 4,096 characters (what (k) used before 2026-12-05); `free_string`, the same with one unbounded string. No GPU
 is needed: on the H200's host this measures that host's cores. Prints one table and writes JSON.
@@ -57,8 +59,10 @@ def pick(allowed: torch.Tensor, texts: list[str], g: torch.Generator) -> int:
     return next((t for t in draws if not any(c in texts[t] for c in CLOSERS)), draws[0])
 
 
-def measure(name, schema, batch, threads, steps, warm, spread, texts, tok, pool=FILL_POOL) -> dict:
-    compiler = GrammarCompiler(tok, VOCAB, [VOCAB - 1], threads=threads, pool=pool)
+def measure(
+    name, schema, batch, threads, steps, warm, spread, texts, tok, pool=FILL_POOL, groups=None
+) -> dict:
+    compiler = GrammarCompiler(tok, VOCAB, [VOCAB - 1], threads=threads, pool=pool, groups=groups)
     states = [compiler.state(Constraint.json_schema(schema)) for _ in range(batch)]
     bitmask = allocate_bitmask(batch, VOCAB, pin=False)
     rows = list(range(batch))
@@ -87,6 +91,7 @@ def measure(name, schema, batch, threads, steps, warm, spread, texts, tok, pool=
         "spread": spread,
         "threads": threads,
         "pool": pool,
+        "lexer_groups": compiler.groups,
         "fill_ms": fill_ms,
         "fill_p90_ms": 1e3 * sorted(fills)[int(0.9 * (len(fills) - 1))],
         "us_per_mask": 1e3 * fill_ms / batch,
@@ -101,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", default=f"1,{min(8, os.cpu_count() or 1)}")
     parser.add_argument("--schemas", default="k,fixed_4096,free_string")
     parser.add_argument("--pools", default=FILL_POOL, help=f"fill pools to time, of {','.join(FILL_POOLS)}")
+    parser.add_argument(
+        "--groups",
+        default="auto",
+        help="lexer groups per run, comma-separated: auto (one per thread, the engine's) or a number; 1 is "
+        "every matcher sharing one lexer, as the engine filled before 2026-12-05",
+    )
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--spread", type=int, default=80, help="row r first advances r * 37 %% spread tokens")
     parser.add_argument("--warm", type=int, default=8, help="untimed steps of every row, before the timed")
@@ -110,23 +121,33 @@ def main(argv: list[str] | None = None) -> int:
     texts = [tok.backend.decode([t]) for t in range(VOCAB)]
     table = schemas()
     results = []
-    head = f"{'schema':<12} {'batch':>5} {'pool':>10} {'threads':>7} {'fill ms':>8} {'p90 ms':>7}"
+    head = (
+        f"{'schema':<12} {'batch':>5} {'pool':>10} {'threads':>7} {'groups':>6} {'fill ms':>8} {'p90 ms':>7}"
+    )
     print(f"{head} {'us/mask':>8} {'accept ms':>9}")
     pools = args.pools.split(",")
     if not set(pools) <= set(FILL_POOLS):
         parser.error(f"--pools takes {', '.join(FILL_POOLS)}")
+    try:
+        groupings = [None if g == "auto" else int(g) for g in args.groups.split(",")]
+    except ValueError:
+        parser.error("--groups takes auto or whole numbers, comma-separated")
+    if any(g is not None and g < 1 for g in groupings):
+        parser.error("--groups must be positive")
     for name in args.schemas.split(","):
         for batch in map(int, args.batches.split(",")):
             for pool in pools:
                 for threads in sorted(set(map(int, args.threads.split(",")))):
-                    sizes = (args.steps, args.warm, args.spread)
-                    r = measure(name, table[name], batch, threads, *sizes, texts, tok, pool)
-                    results.append(r)
-                    print(
-                        f"{name:<12} {batch:>5} {pool:>10} {threads:>7} {r['fill_ms']:>8.2f} "
-                        f"{r['fill_p90_ms']:>7.2f} {r['us_per_mask']:>8.1f} {r['accept_ms']:>9.2f}",
-                        flush=True,
-                    )
+                    for groups in groupings:
+                        sizes = (args.steps, args.warm, args.spread)
+                        r = measure(name, table[name], batch, threads, *sizes, texts, tok, pool, groups)
+                        results.append(r)
+                        print(
+                            f"{name:<12} {batch:>5} {pool:>10} {threads:>7} {r['lexer_groups']:>6} "
+                            f"{r['fill_ms']:>8.2f} {r['fill_p90_ms']:>7.2f} {r['us_per_mask']:>8.1f} "
+                            f"{r['accept_ms']:>9.2f}",
+                            flush=True,
+                        )
     if args.json:
         info = {"cpu_count": os.cpu_count(), "torch": torch.__version__}
         Path(args.json).write_text(json.dumps({"host": info, "results": results}, indent=2) + "\n")

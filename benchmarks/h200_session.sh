@@ -93,9 +93,10 @@ for step in $STEPS; do
     constrained)  # (k) needs llguidance, absent from the GPU image: carry its cp312 wheel in .whl (see below)
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/llguidance-*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-      # llguidance's fill on this host's cores, per thread count (no GPU used; FILL_SWEEP=0 skips it)
+      # llguidance's fill on this host's cores, per thread count, with a lexer group per thread (the engine's)
+      # and with one shared lexer (before 2026-12-05); no GPU used; FILL_SWEEP=0 skips it
       [ "${FILL_SWEEP:-1}" = 0 ] || run grammar_fill "${FILL_LIMIT:-150}" python benchmarks/grammar_fill.py --batches 64,256 \
-        --threads 1,4,8 --pools llguidance,python --schemas k --json "$OUT/grammar_fill.json"
+        --threads 1,4,8 --pools llguidance,python --groups auto,1 --schemas k --json "$OUT/grammar_fill.json"
       run "bench_k" "${BENCH_LIMIT:-300}" python -m engine.bench --preset qwen3.5-35b-a3b --workloads k \
         --batches 64,256 --json "$OUT/bench_k.json" "$@" ;;
     kv_fp8)  # the FP8 KV cache (issue 19): its gpu tests, then greedy agreement and logit error over 256 tokens

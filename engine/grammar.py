@@ -94,6 +94,7 @@ class GrammarCompiler:
         stop_ids: list[int],
         threads: int = FILL_THREADS,
         pool: str = FILL_POOL,
+        groups: int | None = None,
     ) -> None:
         if not stop_ids:
             raise RequestError("constrained output needs the model's end-of-sequence token (eos_token_id)")
@@ -104,6 +105,9 @@ class GrammarCompiler:
         self.stop_ids = sorted(stop_ids)
         self.threads = threads
         self.pool = pool
+        # Lexer groups: one per fill thread unless given (1: every request copies one compiled matcher, all
+        # sharing its lexer, as before 2026-12-05; `benchmarks/grammar_fill.py --groups 1` times that)
+        self.groups = groups or threads
         self._lock = threading.Lock()
         self._vocabulary: Any = None
         self._executor: Any = None
@@ -111,11 +115,6 @@ class GrammarCompiler:
         self._compiled: OrderedDict[str, list[Any]] = OrderedDict()
         self._next_group = 0
         self.fill_stats = FillStats()
-
-    @property
-    def groups(self) -> int:
-        """Lexer groups: one per fill thread."""
-        return self.threads
 
     def state(self, constraint: Constraint) -> GrammarState:
         """A fresh matcher for `constraint`, in the next lexer group; `RequestError` (one line) when it cannot
@@ -137,9 +136,11 @@ class GrammarCompiler:
         elif self.pool == "python":
             with self._lock:
                 self._executor = self._executor or ThreadPoolExecutor(self.threads, "grammar-fill")
-            parts: list[list[tuple[Any, int]]] = [[] for _ in range(self.groups)]
-            for state, pair in zip(states, pairs, strict=True):
-                parts[state.group % self.groups].append(pair)
+            # A thread per group's rows; with fewer groups than threads, the rows dealt out in turn.
+            parts: list[list[tuple[Any, int]]] = [[] for _ in range(self.threads)]
+            by_group = self.groups >= self.threads
+            for j, (state, pair) in enumerate(zip(states, pairs, strict=True)):
+                parts[(state.group if by_group else j) % self.threads].append(pair)
             work = [self._executor.submit(_fill_rows, part, bitmask, width) for part in parts if part]
             for done in work:
                 done.result()

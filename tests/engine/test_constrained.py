@@ -215,16 +215,20 @@ def test_a_model_without_an_end_token_is_refused_in_one_line(demo_engine):
         GrammarCompiler(demo_engine.tokenizer, demo_engine.config.vocab_size, [])
 
 
-@pytest.mark.parametrize("pool, threads", [("llguidance", 2), ("python", 3)])
-def test_each_fill_pool_fills_what_one_matcher_at_a_time_does(pool, threads):
+@pytest.mark.parametrize(
+    "pool, threads, groups",
+    [("llguidance", 2, None), ("python", 3, None), ("python", 3, 1), ("python", 2, 4)],
+)
+def test_each_fill_pool_fills_what_one_matcher_at_a_time_does(pool, threads, groups):
     # 12 rows (a pool from PARALLEL_FILL_ROWS) at different places of a schema: the pooled fill's masks equal
-    # the row-by-row fill's, bit for bit, in rows given out of order
+    # the row-by-row fill's, bit for bit, in rows given out of order; with a lexer group per thread (None),
+    # one shared lexer (1: rows dealt out to the threads) and more groups than threads
     from engine.bench.constrained import SCHEMA, synthetic_tokenizer
     from engine.grammar import PARALLEL_FILL_ROWS, GrammarCompiler, allocate_bitmask
 
     vocab = 4096
     tokenizer = synthetic_tokenizer(vocab)
-    compiler = GrammarCompiler(tokenizer, vocab, [vocab - 1], threads=threads, pool=pool)
+    compiler = GrammarCompiler(tokenizer, vocab, [vocab - 1], threads=threads, pool=pool, groups=groups)
     text = '{"patient_id": "AB123456", "age": 42, "sex": "other", "diagnoses": [{"code": "X1'
     ids = tokenizer.backend.encode(text).ids
     states = [compiler.state(Constraint.json_schema(SCHEMA)) for _ in range(12)]
