@@ -18,7 +18,7 @@ table is no run). Three implementations attend the same queries over the same ke
   materialised mask.
 With `--kv-cache-dtype fp8` the caches hold e4m3 keys and values with a scale per (position, kv head), as
 the engine's FP8 cache does (`fp8_kv.quantize`); `packed` and `rows` read them (products in bf16; `packed`
-past `DEQUANTISE_ONCE_CONTEXT` cached positions through a bf16 copy dequantised once, the copy timed too),
+past `COPY_ONCE_CONTEXT` cached positions through a bf16 copy dequantised once, the copy timed too),
 `packed-fp8` and `rows-fp8` run the QK and PV products in e4m3 (ENCLAVE_FP8_ATTENTION's path), and SDPA
 runs on the dequantised keys and values in bf16, so the error is the kernels' own over the same cache
 (issue 19: a 1M-token prompt in 150 s with the FP8 cache needs about 650 TFLOP/s of attention).

@@ -627,8 +627,10 @@ def _long(q, k_cache, v_cache, scales, layout: SeqLayout, scale, out, block_m, b
 # TFLOP/s against 446-470 for the same kernel over a bf16 cache (and at 116 with e4m3 products), while a copy
 # costs a read of the e4m3 rows and a write of the copy, ~1 ms per 1M positions: negligible there, and
 # launches not worth adding to the short-context chunks of serving steps.
-DEQUANTISE_ONCE_CONTEXT = 16384
-_DEQUANTISE_SLICE = 2048  # blocks per slice: 2048 x 64 positions x 2 kv heads x 256 x 4 bytes = 256 MiB
+COPY_ONCE_CONTEXT = 16384
+# Blocks per slice of a copy: the dequantised copy's fp32 temporary is 2048 x 64 positions x 2 kv heads x 256
+# x 4 bytes = 256 MiB; the transposed one's gathered e4m3 rows a quarter of that.
+_COPY_SLICE = 2048
 
 
 def _step_blocks(layout: SeqLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -664,8 +666,8 @@ def _dequantised(
     pools = []
     for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
         pool = torch.empty((used.shape[0], *cache.shape[1:]), dtype=dtype, device=cache.device)
-        for lo in range(0, used.shape[0], _DEQUANTISE_SLICE):
-            part = used[lo : lo + _DEQUANTISE_SLICE]
+        for lo in range(0, used.shape[0], _COPY_SLICE):
+            part = used[lo : lo + _COPY_SLICE]
             pool[lo : lo + part.shape[0]] = fp8_kv.dequantize(cache[part], scale[part], dtype)
         pools.append(pool)
     return pools[0], pools[1], tables
@@ -681,8 +683,8 @@ def _fp8_gathered(
     k_scale, v_scale = scales
     n, size, hkv, d = used.shape[0], *v_cache.shape[1:]
     values = torch.empty((n, hkv, d, size), dtype=v_cache.dtype, device=v_cache.device)
-    for lo in range(0, n, _DEQUANTISE_SLICE):  # in slices, to bound the gathered temporary
-        part = used[lo : lo + _DEQUANTISE_SLICE]
+    for lo in range(0, n, _COPY_SLICE):  # in slices, to bound the gathered temporary
+        part = used[lo : lo + _COPY_SLICE]
         values[lo : lo + part.shape[0]] = v_cache[part].permute(0, 2, 3, 1)
     return k_cache[used], values, (k_scale[used], v_scale[used]), tables
 
@@ -692,7 +694,7 @@ def _long_packed(
 ) -> None:
     """Every long sequence in one launch of the packed kernel over (kv head, tile of new tokens); `config`
     (rows, keys, warps, stages) overrides the tiling (benchmarks/attention_prefill.py --sweep); `fp8_dot`:
-    e4m3 products over an FP8 cache. Over an FP8 cache and a long context (DEQUANTISE_ONCE_CONTEXT), the
+    e4m3 products over an FP8 cache. Over an FP8 cache and a long context (COPY_ONCE_CONTEXT), the
     kernel reads a copy of the blocks the step reads: dequantised for products in q's dtype, with the values
     transposed for e4m3 products."""
     group = q.shape[1] // k_cache.shape[2]
@@ -700,7 +702,7 @@ def _long_packed(
     tables, info = _seq_index(layout, "long", q.device)
     context = sum(layout.context_lens[i] for i in layout.long_seqs)
     transposed = False
-    if scales is not None and context >= DEQUANTISE_ONCE_CONTEXT:
+    if scales is not None and context >= COPY_ONCE_CONTEXT:
         if fp8_dot:
             k_cache, v_cache, scales, tables = _fp8_gathered(k_cache, v_cache, scales, layout)
             transposed = True

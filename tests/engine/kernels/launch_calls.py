@@ -125,7 +125,7 @@ def attention() -> None:
     for dtype in (BF16, FP32):
         attention_call(dtype, layout((100, 1), (0, 50)), prefill_kernel="packed")
     attention_call(BF16, layout((100, 1), (0, 50)), fp8_cache=True, prefill_kernel="packed")
-    # Past DEQUANTISE_ONCE_CONTEXT: the packed kernel over a dequantised copy, and with e4m3 products over a
+    # Past COPY_ONCE_CONTEXT: the packed kernel over a dequantised copy, and with e4m3 products over a
     # gathered copy whose values are transposed.
     long_context = layout((100,), (20000,))
     attention_call(BF16, long_context, fp8_cache=True, prefill_kernel="packed")

@@ -117,13 +117,13 @@ def test_split_kv_decode_matches_reference_on_an_fp8_cache():
 
 @pytest.mark.parametrize("threshold, once", [(1, True), (10**9, False)])
 def test_packed_prefill_reads_a_long_context_through_a_copy_dequantised_once(monkeypatch, threshold, once):
-    """From DEQUANTISE_ONCE_CONTEXT positions of context the packed kernel reads the step's blocks from a copy
+    """From COPY_ONCE_CONTEXT positions of context the packed kernel reads the step's blocks from a copy
     dequantised as the reference reads them (then as from a cache in q's dtype); below it, it dequantises
     its tiles itself. Both against the reference; the FP8 cache itself is left as written."""
     calls = []
     real = attention_triton._dequantised
-    monkeypatch.setattr(attention_triton, "DEQUANTISE_ONCE_CONTEXT", threshold)
-    monkeypatch.setattr(attention_triton, "_DEQUANTISE_SLICE", 3)  # several slices of blocks
+    monkeypatch.setattr(attention_triton, "COPY_ONCE_CONTEXT", threshold)
+    monkeypatch.setattr(attention_triton, "_COPY_SLICE", 3)  # several slices of blocks
     monkeypatch.setattr(attention_triton, "_dequantised", lambda *a: calls.append(1) or real(*a))
     # Two prompt chunks after contexts (one block shared by neither), beside a decode and a verify step.
     case = fp8_case([1, 24, 4, 13], [40, 9, 3, 22], hq=4, hkv=2, d=16, block_size=4)
@@ -133,19 +133,19 @@ def test_packed_prefill_reads_a_long_context_through_a_copy_dequantised_once(mon
 
 @pytest.mark.parametrize("block_size, block_n", [(4, 16), (16, 16), (32, 16)])
 def test_e4m3_products_over_a_long_context_read_values_transposed_once(monkeypatch, block_size, block_n):
-    """From DEQUANTISE_ONCE_CONTEXT positions of context, e4m3 products read the step's blocks from a gathered
+    """From COPY_ONCE_CONTEXT positions of context, e4m3 products read the step's blocks from a gathered
     copy whose values are transposed per block ([D, positions]: K-major for Hopper's e4m3 PV product): the
     same numbers as reading the cache in place, bit for bit, with key tiles spanning cache blocks (4) and
     lying in one (16: a whole block; 32: part of one)."""
     calls = []
     real = attention_triton._fp8_gathered
     monkeypatch.setattr(attention_triton, "_fp8_gathered", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(attention_triton, "_DEQUANTISE_SLICE", 3)  # the values copied in several slices
+    monkeypatch.setattr(attention_triton, "_COPY_SLICE", 3)  # the values copied in several slices
     case = fp8_case([1, 24, 4, 13], [40, 9, 3, 22], hq=4, hkv=2, d=16, block_size=block_size)
     q, k, v, k8, v8, ks, vs, layout = case
 
     def run(threshold):
-        monkeypatch.setattr(attention_triton, "DEQUANTISE_ONCE_CONTEXT", threshold)
+        monkeypatch.setattr(attention_triton, "COPY_ONCE_CONTEXT", threshold)
         caches = [t.clone() for t in (k8, v8, ks, vs)]
         return attention_triton.paged_attention(
             q, k, v, caches[0], caches[1], layout, 0.25, k_scale=caches[2], v_scale=caches[3],
@@ -239,7 +239,7 @@ def test_fp8_products_follow_their_variable(monkeypatch):
         ((1,), (128 * 1024,)),  # one long context: split-KV
         ((1, 300, 4, 1), (5000, 0, 12, 1)),  # decodes, a prefill chunk, a verify step
         ((2000, 9), (14000, 0)),  # a later chunk over a long context, a short prompt
-        ((2048, 1), (20000, 77)),  # past DEQUANTISE_ONCE_CONTEXT: the prefill reads a dequantised copy
+        ((2048, 1), (20000, 77)),  # past COPY_ONCE_CONTEXT: the prefill reads a dequantised copy
     ],
 )
 def test_real_shapes_bf16_fp8_cache(query_lens, context_lens):
@@ -266,7 +266,7 @@ def test_real_shapes_bf16_fp8_cache(query_lens, context_lens):
     [
         ((8192,), (0,), 16),
         ((2000, 300), (14000, 0), 16),
-        # past DEQUANTISE_ONCE_CONTEXT: values read from a transposed copy, key tiles across cache blocks
+        # past COPY_ONCE_CONTEXT: values read from a transposed copy, key tiles across cache blocks
         # (16 positions) and inside one (64, the CUDA default)
         ((2048, 1), (20000, 77), 16),
         ((2048, 1), (20000, 77), 64),
